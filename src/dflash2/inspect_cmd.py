@@ -1,0 +1,29 @@
+"""``dflash2 inspect``: config summary and parameter count by group (meta device)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import DFlash2Config
+from .model.checkpoint import parameter_report
+
+
+def inspect_path(path: str) -> str:
+    p = Path(path)
+    cfg = DFlash2Config.from_file(p)
+    report = parameter_report(cfg)
+    lines = [
+        f"config: {p}",
+        f"  hidden_size {cfg.hidden_size}, layers {cfg.num_hidden_layers}, heads {cfg.num_attention_heads}, "
+        f"intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}",
+        f"  MLA: q_lora {cfg.q_lora_rank}, kv_lora {cfg.kv_lora_rank}, qk_nope {cfg.qk_nope_head_dim}, "
+        f"qk_rope {cfg.qk_rope_head_dim}, v {cfg.v_head_dim}, softmax scale {cfg.softmax_scale():.6g}",
+        f"  block_size {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, mask_token_id {cfg.mask_token_id}, "
+        f"sliding_window {cfg.sliding_window}, is_causal {cfg.is_causal}",
+        f"  conv kernel {cfg.conv_kernel_size}, group {cfg.conv_group_size}; selector rank {cfg.selector_rank}, "
+        f"top_k {cfg.selector_top_k}; rope_scaling {cfg.rope_scaling}",
+        "parameters:",
+    ]
+    for k in ("layers", "fc", "norms", "selector"):
+        lines.append(f"  {k:<10}{report[k]:>16,}")
+    lines.append(f"  {'total':<10}{report['total']:>16,}")
+    return "\n".join(lines)

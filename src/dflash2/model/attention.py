@@ -1,0 +1,91 @@
+"""MLA attention of the draft (queries from block rows; keys/values from context + block rows)
+and the block-causal sliding-window mask builder."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import DFlash2Config
+from .rope import RotaryEmbedding, apply_interleaved_rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def build_block_mask(
+    q_pos: torch.Tensor,        # [B, Lq] absolute positions of block rows
+    q_anchor: torch.Tensor,     # [B, Lq] anchor position of each row's block
+    q_block: torch.Tensor,      # [B, Lq] block id (unique per block within a batch row)
+    ctx_pos: torch.Tensor,      # [B, Tc] absolute positions of context rows
+    ctx_valid: torch.Tensor,    # [B, Tc] False for padding
+    window: int,
+    is_causal: bool,
+    q_seq: torch.Tensor | None = None,    # [B, Lq] request id (packed layouts); None = one request per row
+    ctx_seq: torch.Tensor | None = None,  # [B, Tc]
+) -> torch.Tensor:
+    """Boolean ``[B, Lq, Tc + Lq]``: True where a block query may attend (context keys first).
+
+    Context key k is visible to query q iff same request, ``k < anchor`` and ``q - k < window``.
+    Block keys are visible only within the same block (and only ``k <= q`` when causal).
+    """
+    qp, kp = q_pos.unsqueeze(-1), ctx_pos.unsqueeze(-2)
+    ctx = ctx_valid.unsqueeze(-2) & (kp < q_anchor.unsqueeze(-1)) & (qp - kp < window)
+    if q_seq is not None and ctx_seq is not None:
+        ctx = ctx & (q_seq.unsqueeze(-1) == ctx_seq.unsqueeze(-2))
+    blk = q_block.unsqueeze(-1) == q_block.unsqueeze(-2)
+    if is_causal:
+        blk = blk & (q_pos.unsqueeze(-2) <= qp)
+    return torch.cat([ctx, blk], dim=-1)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: DFlash2Config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.cfg, self.rotary = cfg, rotary
+        n, H = cfg.num_attention_heads, cfg.hidden_size
+        self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, n * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, n * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(n * cfg.v_head_dim, H, bias=False)
+        self.scale = cfg.softmax_scale()
+
+    def latent(self, y: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The per-token cache entry: ``[c_kv (kv_lora) | roped k_pe (rope)]``."""
+        c, k_pe = self.kv_a_proj_with_mqa(y).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], -1)
+        cos, sin = self.rotary.cos_sin(positions, k_pe.dtype)
+        return torch.cat([c, apply_interleaved_rope(k_pe, cos, sin)], dim=-1)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx_latent: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        B, Lq, _ = h.shape
+        n = cfg.num_attention_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h))).view(B, Lq, n, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
+        cos, sin = self.rotary.cos_sin(positions, q.dtype)
+        q_pe = apply_interleaved_rope(q_pe, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        lat = torch.cat([ctx_latent.to(h.dtype), self.latent(h, positions)], dim=1)  # context first
+        c, k_pe = lat.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
+        Lk = lat.shape[1]
+        kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(B, Lk, n, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], -1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, Lk, n, cfg.qk_rope_head_dim)], -1)
+        q = torch.cat([q_nope, q_pe], -1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask.unsqueeze(1), scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Lq, n * cfg.v_head_dim))

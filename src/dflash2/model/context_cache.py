@@ -1,0 +1,74 @@
+"""Draft-side context cache in latent form, and the batched draft step over it.
+
+Per request and layer we keep ``[c_kv | roped k_pe]`` (kv_lora + rope values) per committed
+token, so each step projects only newly committed rows. Rows that no future block can see
+(``k <= anchor - sliding_window``) are dropped: memory is bounded by the window.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import build_block_mask
+from .draft import DFlash2DraftModel
+
+
+class DraftContextCache:
+    def __init__(self, draft: DFlash2DraftModel):
+        cfg = draft.config
+        p = next(draft.parameters())
+        self.window = cfg.sliding_window
+        self.latents = torch.empty(cfg.num_hidden_layers, 0, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                   dtype=p.dtype, device=p.device)
+        self.positions = torch.empty(0, dtype=torch.long, device=p.device)
+
+    def __len__(self) -> int:
+        return self.positions.numel()
+
+    @torch.no_grad()
+    def append(self, draft: DFlash2DraftModel, target_features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Project newly committed target features ``[T, K*H]`` at ``positions [T]``."""
+        if positions.numel() == 0:
+            return
+        lat = draft.context_latents(draft.fuse(target_features).unsqueeze(0), positions.unsqueeze(0))[:, 0]
+        self.latents = torch.cat([self.latents, lat], dim=1)
+        self.positions = torch.cat([self.positions, positions.to(self.positions.device)])
+
+    def trim(self, anchor_pos: int) -> None:
+        keep = self.positions > anchor_pos - self.window
+        if not bool(keep.all()):
+            self.latents, self.positions = self.latents[:, keep], self.positions[keep]
+
+
+@dataclass
+class DraftBlockOutput:
+    logits: torch.Tensor   # [B, width-1, V] for slots 1..width-1
+    hidden: torch.Tensor   # [B, width-1, H] final-normed hidden of those slots
+
+
+@torch.no_grad()
+def draft_block(draft: DFlash2DraftModel, caches: list[DraftContextCache], anchors: torch.Tensor,
+                anchor_pos: torch.Tensor, width: int, embed: torch.nn.Module,
+                lm_head_weight: torch.Tensor) -> DraftBlockOutput:
+    """One batched draft forward: block ``[anchor, MASK x (width-1)]`` per request."""
+    cfg = draft.config
+    device = anchors.device
+    B = len(caches)
+    for c, p in zip(caches, anchor_pos.tolist()):
+        c.trim(p)
+    Tc = max(1, max(len(c) for c in caches))
+    D = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    lat = torch.zeros(cfg.num_hidden_layers, B, Tc, D, dtype=caches[0].latents.dtype, device=device)
+    ctx_pos = torch.zeros(B, Tc, dtype=torch.long, device=device)
+    ctx_valid = torch.zeros(B, Tc, dtype=torch.bool, device=device)
+    for b, c in enumerate(caches):
+        n = len(c)
+        lat[:, b, :n], ctx_pos[b, :n], ctx_valid[b, :n] = c.latents, c.positions, True
+    block_ids = torch.full((B, width), cfg.mask_token_id, dtype=torch.long, device=device)
+    block_ids[:, 0] = anchors
+    q_pos = anchor_pos[:, None] + torch.arange(width, device=device)
+    mask = build_block_mask(q_pos, anchor_pos[:, None].expand(B, width), torch.zeros_like(q_pos),
+                            ctx_pos, ctx_valid, cfg.sliding_window, cfg.is_causal)
+    hidden = draft(embed(block_ids), q_pos, lat, mask, width)[:, 1:]
+    return DraftBlockOutput(draft.compute_logits(hidden, lm_head_weight), hidden)

@@ -1,0 +1,96 @@
+"""The DFlash2 draft network (spec section 2), with the published tensor names."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import DFlash2Config
+from .attention import MLAttention, RMSNorm
+from .conv import BlockConv
+from .rope import RotaryEmbedding
+from .selector import CandidateSelector
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlash2Config, rotary: RotaryEmbedding):
+        super().__init__()
+        H = cfg.hidden_size
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg, rotary)
+        self.mlp = SwiGLU(H, cfg.intermediate_size)
+        self.attention_conv = BlockConv(H, cfg.conv_kernel_size, cfg.conv_group_size)
+        self.mlp_conv = BlockConv(H, cfg.conv_kernel_size, cfg.conv_group_size)
+
+    def forward(self, x, positions, ctx_latent, mask, width):
+        h, k_a = self.attention_conv.prepare(self.input_layernorm(x), width)
+        h = self.attention_conv.finish(self.self_attn(h, positions, ctx_latent, mask), k_a, width)
+        x = x + h
+        h, k_m = self.mlp_conv.prepare(self.post_attention_layernorm(x), width)
+        return x + self.mlp_conv.finish(self.mlp(h), k_m, width)
+
+
+class DFlash2DraftModel(nn.Module):
+    def __init__(self, cfg: DFlash2Config):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.rotary = RotaryEmbedding(cfg)
+        self.fc = nn.Linear(cfg.fc_in_features, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg, self.rotary) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.candidate_selector = CandidateSelector(H, cfg.vocab_size, cfg.selector_rank, cfg.selector_top_k)
+
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> "DFlash2DraftModel":
+        """Random init for training or tests (normal linears, unit norms, identity convs, top-1 selector)."""
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, nn.Linear):
+                    m.weight.normal_(0, std, generator=generator)
+                elif isinstance(m, RMSNorm):
+                    m.weight.fill_(1.0)
+                elif isinstance(m, BlockConv):
+                    m.reset_parameters()
+            self.candidate_selector.predecessor_codebook.normal_(0, 0.02, generator=generator)
+            self.candidate_selector.successor_codebook.zero_()
+        return self
+
+    # ---- context ----------------------------------------------------------------------------
+    def fuse(self, target_features: torch.Tensor) -> torch.Tensor:
+        """``[..., K*H_target]`` concatenated target layer outputs -> ``h_ctx [..., H]``."""
+        return self.hidden_norm(self.fc(target_features.to(self.fc.weight.dtype)))
+
+    def context_latents(self, h_ctx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Per-layer latent cache rows for context tokens: ``[num_layers, B, T, kv_lora + rope]``."""
+        return torch.stack([layer.self_attn.latent(h_ctx, positions) for layer in self.layers])
+
+    # ---- block ------------------------------------------------------------------------------
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, ctx_latents: torch.Tensor,
+                mask: torch.Tensor, width: int) -> torch.Tensor:
+        """Block rows ``[B, N*width, H]`` (N blocks of ``[anchor, MASK...]`` embeddings) -> final-normed
+        hidden states. ``ctx_latents [num_layers, B, Tc, D]``; ``mask [B, N*width, Tc + N*width]``."""
+        x = block_embeds.to(self.fc.weight.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, ctx_latents[i], mask, width)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight).float() * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        return logits

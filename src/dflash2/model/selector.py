@@ -1,0 +1,81 @@
+"""Candidate selector: turns per-slot top-k candidates into one coherent draft path.
+
+``S_t(a, b) = U_t(b) + < A[a] * hidden_projection(h_t), B[b] >`` in fp32; walk left to right
+(slot 1's predecessor is the anchor). Greedy rows take the argmax (exact ties: lower token id);
+sampled rows draw from ``q_t = softmax(S_t / T)`` and keep ``q_t`` for the verifier.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..verification.logits import probs_from_logits, sample_from_probs
+
+
+@dataclass
+class SelectorOutput:
+    tokens: torch.Tensor      # [B, g] the chosen path
+    cand_ids: torch.Tensor    # [B, g, k] candidate token ids per slot
+    q_draft: torch.Tensor     # [B, g, k] the distribution each token was chosen from (one-hot when greedy)
+
+    def dense_q(self, vocab_size: int) -> torch.Tensor:
+        """``q_draft`` scattered over the vocabulary: ``[B, g, V]``, zero outside the candidates."""
+        B, g, _ = self.q_draft.shape
+        out = torch.zeros(B, g, vocab_size, dtype=torch.float32, device=self.q_draft.device)
+        return out.scatter_(-1, self.cand_ids, self.q_draft.float())
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # B = 0 makes a fresh selector plain top-1
+        nn.init.normal_(self.predecessor_codebook, std=0.02)
+        nn.init.zeros_(self.successor_codebook)
+
+    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k per slot, ordered by logit (ties: lower id first)."""
+        vals, ids = logits.float().sort(dim=-1, descending=True, stable=True)
+        return vals[..., : self.top_k], ids[..., : self.top_k]
+
+    def pair_weights(self, hidden: torch.Tensor, cand_ids: torch.Tensor) -> torch.Tensor:
+        """``B[cand] * hidden_projection(h_t)``: ``[B, g, k, r]`` in fp32, so that
+        ``S_t(a, .) = U_t + W_t @ A[a]``."""
+        g_t = self.hidden_projection(hidden).float()
+        return self.successor_codebook[cand_ids].float() * g_t.unsqueeze(-2)
+
+    @torch.no_grad()
+    def walk(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
+             temperature: torch.Tensor, uniforms: torch.Tensor | None = None,
+             top_k=-1, top_p=1.0, min_p=0.0) -> SelectorOutput:
+        """``logits [B, g, V]`` and ``hidden [B, g, H]`` of the draft slots; ``anchor [B]``;
+        ``temperature [B]`` (0 = greedy row); ``uniforms [B, g]`` for the sampled rows."""
+        U, cand = self.candidates(logits)
+        W = self.pair_weights(hidden, cand)
+        B, g, k = U.shape
+        prev = anchor
+        tokens, qs = [], []
+        for t in range(g):
+            S = U[:, t] + torch.einsum("bkr,br->bk", W[:, t], self.predecessor_codebook[prev].float())
+            # greedy: argmax with exact ties going to the lower token id
+            is_max = S == S.max(dim=-1, keepdim=True).values
+            greedy_j = torch.where(is_max, cand[:, t], torch.full_like(cand[:, t], torch.iinfo(torch.long).max)).argmin(-1)
+            q = probs_from_logits(S, temperature, top_k, top_p, min_p)
+            if uniforms is not None:
+                sampled_j = sample_from_probs(q, uniforms[:, t])
+                j = torch.where(temperature == 0, greedy_j, sampled_j)
+            else:
+                j = greedy_j
+            q = torch.where((temperature == 0)[:, None], torch.nn.functional.one_hot(j, k).float(), q)
+            prev = cand[:, t].gather(1, j[:, None]).squeeze(1)
+            tokens.append(prev)
+            qs.append(q)
+        return SelectorOutput(torch.stack(tokens, 1), cand, torch.stack(qs, 1))

@@ -1,0 +1,5 @@
+from .logits import SamplingParams, probs_from_logits, sample_from_probs
+from .verifiers import VerifyResult, block_verify, greedy_verify, token_level_verify
+
+__all__ = ["SamplingParams", "probs_from_logits", "sample_from_probs", "VerifyResult",
+           "greedy_verify", "token_level_verify", "block_verify"]

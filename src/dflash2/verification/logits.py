@@ -1,0 +1,78 @@
+"""Logits processing shared by target and draft rows, with SGLang/vLLM semantics.
+
+``probs = softmax(logits / T)``; then top-k, top-p and min-p masks are all computed on those
+same probabilities (so top-k and top-p commute, as in SGLang), and the survivors renormalised.
+Temperature 0 means greedy: a one-hot row at the argmax (first index on ties).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1          # -1 or 0: off
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        for name, ok in (("temperature", self.temperature >= 0), ("top_p", 0 < self.top_p <= 1),
+                         ("min_p", 0 <= self.min_p <= 1), ("max_new_tokens", self.max_new_tokens >= 1),
+                         ("top_k", self.top_k == -1 or self.top_k >= 0)):
+            if not ok:
+                raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _col(x, like: torch.Tensor, dtype) -> torch.Tensor:
+    """A per-row parameter as a tensor that broadcasts over every trailing dim of ``like``."""
+    t = torch.as_tensor(x, dtype=dtype, device=like.device)
+    return t.view(*t.shape, *([1] * (like.dim() - t.dim())))
+
+
+def probs_from_logits(logits: torch.Tensor, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0) -> torch.Tensor:
+    """Rows of ``logits [..., V]`` -> processed probabilities (float32). Parameters are scalars
+    or tensors over the leading dims (e.g. one value per request)."""
+    logits = logits.float()
+    V = logits.shape[-1]
+    temp = _col(temperature, logits[..., 0], torch.float32).unsqueeze(-1)
+    greedy = temp == 0
+    probs = torch.softmax(logits / torch.where(greedy, torch.ones_like(temp), temp), dim=-1)
+    k = _col(top_k, logits[..., 0], torch.long).unsqueeze(-1)
+    tp = _col(top_p, logits[..., 0], torch.float32).unsqueeze(-1)
+    mp = _col(min_p, logits[..., 0], torch.float32).unsqueeze(-1)
+    if bool(((k > 0) & (k < V)).any() | (tp < 1).any() | (mp > 0).any()):
+        sorted_p, idx = probs.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(V, device=logits.device)
+        drop = (k > 0) & (rank >= k)
+        drop |= (sorted_p.cumsum(-1) - sorted_p) > tp       # keep the smallest prefix reaching top_p
+        drop |= sorted_p < sorted_p[..., :1] * mp
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy, onehot, probs)
+    return probs
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: one token per row of ``probs [..., V]`` from ``uniforms [...]`` in [0, 1).
+    Rows need not be normalised. Zero-probability tokens are never returned."""
+    cdf = probs.float().cumsum(-1)
+    target = uniforms.float().unsqueeze(-1) * cdf[..., -1:]
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+    # the clamp and float rounding could land on a zero-mass token at the top end: step back
+    nz = probs > 0
+    last_nz = (nz * torch.arange(probs.shape[-1], device=probs.device)).amax(-1, keepdim=True)
+    return torch.minimum(idx, last_nz).squeeze(-1)

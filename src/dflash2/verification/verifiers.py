@@ -1,0 +1,98 @@
+"""Lossless verifiers as pure functions over ``(draft_tokens, q_draft, p_target, uniforms)``.
+
+Shapes: ``draft_tokens [B, g]``; ``q_draft [B, g, V]`` (row i: the draft distribution that
+token i was drawn from); ``p_target [B, g+1, V]`` (row i: the processed target distribution
+for the token after ``i`` drafts, so row g is the bonus row). Each verifier returns how many
+drafts each row accepts and the tokens it emits: the accepted drafts, then one target token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .logits import sample_from_probs
+
+
+@dataclass
+class VerifyResult:
+    num_accepted: torch.Tensor  # [B] drafts accepted (0..g)
+    tokens: torch.Tensor        # [B, g+1] accepted drafts then the emitted token; -1 after that
+
+    def row(self, b: int) -> list[int]:
+        return self.tokens[b, : int(self.num_accepted[b]) + 1].tolist()
+
+
+def _assemble(draft_tokens: torch.Tensor, n: torch.Tensor, bonus: torch.Tensor) -> VerifyResult:
+    B, g = draft_tokens.shape
+    slots = torch.arange(g + 1, device=draft_tokens.device).expand(B, g + 1)
+    padded = torch.cat([draft_tokens, draft_tokens.new_full((B, 1), -1)], dim=1)
+    tokens = torch.where(slots < n[:, None], padded, torch.full_like(padded, -1))
+    tokens = tokens.scatter(1, n[:, None], bonus[:, None].to(tokens.dtype))
+    return VerifyResult(n, tokens)
+
+
+def _first_false(ok: torch.Tensor) -> torch.Tensor:
+    """Length of the all-True prefix of each row."""
+    return ok.to(torch.long).cumprod(dim=1).sum(dim=1)
+
+
+def greedy_verify(draft_tokens: torch.Tensor, p_target: torch.Tensor) -> VerifyResult:
+    """Accept the longest prefix with ``x_i == argmax p_{i-1}``; bonus = argmax of the next row.
+    ``p_target`` may be raw logits: only its argmax is read."""
+    best = p_target.argmax(dim=-1)  # [B, g+1]
+    n = _first_false(draft_tokens == best[:, :-1])
+    return _assemble(draft_tokens, n, best.gather(1, n[:, None]).squeeze(1))
+
+
+def _residual_sample(p_rows: torch.Tensor, residual: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Sample ``norm(residual)``, falling back to ``p_rows`` where the residual has no mass."""
+    empty = residual.sum(-1, keepdim=True) <= 0
+    return sample_from_probs(torch.where(empty, p_rows, residual), uniforms)
+
+
+def token_level_verify(draft_tokens: torch.Tensor, q_draft: torch.Tensor, p_target: torch.Tensor,
+                       accept_uniforms: torch.Tensor, emit_uniforms: torch.Tensor) -> VerifyResult:
+    """Leviathan/Chen rejection sampling: accept ``x_i`` while ``u_i * q_i(x_i) < p_i(x_i)``;
+    at the first rejection emit from ``norm(max(p_i - q_i, 0))``; after a full block, from ``p_{g+1}``."""
+    B, g = draft_tokens.shape
+    x = draft_tokens.unsqueeze(-1)
+    px = p_target[:, :g].gather(-1, x).squeeze(-1).float()
+    qx = q_draft.gather(-1, x).squeeze(-1).float()
+    n = _first_false(accept_uniforms * qx < px)
+    rows = torch.arange(B, device=draft_tokens.device)
+    p_n = p_target[rows, n].float()
+    q_n = torch.cat([q_draft, torch.zeros_like(q_draft[:, :1])], dim=1)[rows, n].float()  # zero after a full block
+    bonus = _residual_sample(p_n, (p_n - q_n).clamp_min(0), emit_uniforms)
+    return _assemble(draft_tokens, n, bonus)
+
+
+def block_verify(draft_tokens: torch.Tensor, q_draft: torch.Tensor, p_target: torch.Tensor,
+                 accept_uniforms: torch.Tensor, emit_uniforms: torch.Tensor) -> VerifyResult:
+    """Block verification (Sun et al., ICLR 2025), spec section 4. No early stop: ``tau`` is the
+    largest ``i`` with ``u_i <= h_i``."""
+    B, g = draft_tokens.shape
+    x = draft_tokens.unsqueeze(-1)
+    p_t, q_d = p_target.float(), q_draft.float()
+    px = p_t[:, :g].gather(-1, x).squeeze(-1)
+    qx = q_d.gather(-1, x).squeeze(-1)
+    ratio = torch.where(qx > 0, px / qx.clamp_min(1e-30), torch.zeros_like(px))
+    weights = [torch.ones(B, device=p_t.device)]                    # P_0 .. P_g
+    for i in range(g):
+        weights.append(torch.clamp(weights[-1] * ratio[:, i], max=1.0))
+    P = torch.stack(weights, dim=1)                                  # [B, g+1]
+    # R_i for i = 0..g-1 uses rows i of p_target / q_draft (the distributions of token i+1)
+    R = (P[:, :g, None] * p_t[:, :g] - q_d).clamp_min(0).sum(-1)     # [B, g]
+    denom = R + 1 - P[:, :g]
+    h = torch.where(denom > 0, R / denom.clamp_min(1e-30), torch.ones_like(R))
+    h = torch.cat([h[:, 1:], P[:, g:]], dim=1)                       # h_1..h_{g-1}, h_g = P_g
+    passed = accept_uniforms <= h                                    # [B, g] for i = 1..g
+    idx = torch.arange(1, g + 1, device=p_t.device)
+    tau = (passed * idx).amax(dim=1)                                 # largest passing i, 0 if none
+    rows = torch.arange(B, device=p_t.device)
+    p_next = p_t[rows, tau]
+    q_next = torch.cat([q_d, torch.zeros_like(q_d[:, :1])], dim=1)[rows, tau]
+    residual = (P[rows, tau][:, None] * p_next - q_next).clamp_min(0)
+    residual = torch.where((tau == g)[:, None], p_next, residual)
+    bonus = _residual_sample(p_next, residual, emit_uniforms)
+    return _assemble(draft_tokens, tau, bonus)
