@@ -37,7 +37,7 @@ class SamplingParams:
 def _col(x, like: torch.Tensor, dtype) -> torch.Tensor:
     """A per-row parameter as a tensor that broadcasts over every trailing dim of ``like``."""
     t = torch.as_tensor(x, dtype=dtype, device=like.device)
-    return t.view(*t.shape, *([1] * (like.dim() - t.dim())))
+    return t.reshape(tuple(t.shape) + (1,) * (like.dim() - t.dim()))
 
 
 def probs_from_logits(logits: torch.Tensor, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0) -> torch.Tensor:
@@ -54,9 +54,9 @@ def probs_from_logits(logits: torch.Tensor, temperature=0.0, top_k=-1, top_p=1.0
     if bool(((k > 0) & (k < V)).any() | (tp < 1).any() | (mp > 0).any()):
         sorted_p, idx = probs.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(V, device=logits.device)
-        drop = (k > 0) & (rank >= k)
-        drop |= (sorted_p.cumsum(-1) - sorted_p) > tp       # keep the smallest prefix reaching top_p
-        drop |= sorted_p < sorted_p[..., :1] * mp
+        drop = ((k > 0) & (rank >= k)) \
+            | ((sorted_p.cumsum(-1) - sorted_p) > tp) \
+            | (sorted_p < sorted_p[..., :1] * mp)  # top-k | smallest prefix reaching top_p | min-p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -1,0 +1,3 @@
+from .adapter import TargetModel, TargetState, UnsupportedTargetError
+
+__all__ = ["TargetModel", "TargetState", "UnsupportedTargetError"]

@@ -1,0 +1,171 @@
+"""Target adapter over a Hugging Face causal LM.
+
+Gives the draft what it needs: the residual stream after each decoder layer in
+``target_layer_ids`` (forward hooks, so no full ``hidden_states`` tuple is materialised), the
+token embedding and the LM head. Keeps one KV cache per request and rolls it back after a
+partial acceptance; layers with a recurrent state (linear attention / SSM) are snapshotted
+before a verify pass and, on a partial acceptance, restored and advanced over the accepted
+tokens (transformers' linear-attention kernels only return the final state, so a state per
+verified position is not available without kernel changes).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+
+class UnsupportedTargetError(RuntimeError):
+    pass
+
+
+@dataclass
+class TargetState:
+    cache: DynamicCache
+    length: int = 0                              # committed tokens in the cache
+    snapshot: dict | None = field(default=None)  # recurrent state before the pending verify pass
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    for path in ("model.layers", "backbone.layers", "transformer.h", "model.decoder.layers"):
+        obj = model
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        if isinstance(obj, torch.nn.ModuleList):
+            return obj
+    raise UnsupportedTargetError(f"{type(model).__name__}: cannot find the decoder layer list "
+                                 "(looked for model.layers, backbone.layers, transformer.h)")
+
+
+class TargetModel:
+    def __init__(self, model, tokenizer=None, layer_ids: list[int] | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.layers = _decoder_layers(model)
+        self.num_layers = len(self.layers)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        if self._cache_kw not in params:
+            raise UnsupportedTargetError(f"{type(model).__name__}.forward takes no KV cache argument")
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = []
+        self.layer_ids: list[int] = []
+        self.set_layer_ids(layer_ids or [])
+        emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if emb is None or head is None:
+            raise UnsupportedTargetError(f"{type(model).__name__} has no input embedding or LM head")
+        self.embed, self.lm_head_weight = emb, head.weight
+        types = getattr(self.config, "layer_types", None) or []
+        self.is_hybrid = any(t in ("linear_attention", "mamba", "ssm", "recurrent") for t in types) or \
+            getattr(self.config, "model_type", "") in ("mamba", "mamba2", "falcon_mamba")
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def set_layer_ids(self, layer_ids: list[int]) -> None:
+        for h in self._hooks:
+            h.remove()
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise UnsupportedTargetError(f"target_layer_ids {bad} out of range: the target has {self.num_layers} layers")
+        self.layer_ids = list(layer_ids)
+        self._hooks = [self.layers[i].register_forward_hook(self._make_hook(i)) for i in self.layer_ids]
+
+    def _make_hook(self, idx: int):
+        def hook(_module, _inputs, output):
+            self._captured[idx] = output[0] if isinstance(output, (tuple, list)) else output
+        return hook
+
+    # ---- state ------------------------------------------------------------------------------
+    def new_state(self) -> TargetState:
+        try:
+            cache = DynamicCache(config=self.config)
+        except TypeError:
+            cache = DynamicCache()
+        return TargetState(cache=cache)
+
+    @torch.no_grad()
+    def forward(self, state: TargetState, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``input_ids [L]`` after the committed tokens. Returns logits ``[L, V]`` (float32)
+        and the concatenated hooked features ``[L, K*H]``. Tokens are appended to the cache as
+        pending; call :meth:`commit` to keep a prefix."""
+        L = input_ids.shape[-1]
+        if self.is_hybrid:
+            state.snapshot = self._snapshot(state)
+        pos = torch.arange(state.length, state.length + L, device=self.device)[None]
+        self._captured.clear()
+        out = self.model(input_ids=input_ids.view(1, L).to(self.device), position_ids=pos,
+                         use_cache=True, **{self._cache_kw: state.cache})
+        feats = torch.cat([self._captured[i][0] for i in self.layer_ids], -1) if self.layer_ids else \
+            torch.empty(L, 0, device=self.device)
+        self._pending = (input_ids.view(-1), L)
+        state.length += L
+        return out.logits[0].float(), feats
+
+    @torch.no_grad()
+    def commit(self, state: TargetState, keep: int) -> None:
+        """Keep the first ``keep`` of the tokens of the last :meth:`forward`; drop the rest."""
+        ids, L = self._pending
+        drop = L - keep
+        if drop <= 0:
+            state.snapshot = None
+            return
+        base = state.length - L
+        if self.is_hybrid:
+            self._restore(state, state.snapshot)
+            self._crop_attention(state, L)
+            state.length = base
+            state.snapshot = None
+            if keep:
+                self.forward(state, ids[:keep])  # advance the recurrent state over the accepted tokens
+                state.snapshot = None
+            return
+        state.cache.crop(-drop)
+        state.length = base + keep
+
+    # ---- recurrent-state snapshots -------------------------------------------------------------
+    def _linear_layers(self, state: TargetState):
+        return [l for l in getattr(state.cache, "layers", []) if hasattr(l, "recurrent_states")]
+
+    def _snapshot(self, state: TargetState) -> list:
+        snap = []
+        for layer in self._linear_layers(state):
+            snap.append({
+                "conv": {k: (v.clone() if v is not None else None) for k, v in layer.conv_states.items()},
+                "rec": {k: (v.clone() if v is not None else None) for k, v in layer.recurrent_states.items()},
+                "has_prev": dict(layer.has_previous_state),
+                "conv_init": dict(layer.is_conv_states_initialized),
+                "rec_init": dict(layer.is_recurrent_states_initialized),
+            })
+        return snap
+
+    def _restore(self, state: TargetState, snap: list) -> None:
+        for layer, s in zip(self._linear_layers(state), snap):
+            for k, v in s["conv"].items():
+                if v is None:
+                    layer.conv_states[k] = None
+                elif layer.conv_states.get(k) is not None and layer.conv_states[k].shape == v.shape:
+                    layer.conv_states[k].copy_(v)
+                else:
+                    layer.conv_states[k] = v
+            for k, v in s["rec"].items():
+                if v is None:
+                    layer.recurrent_states[k] = None
+                elif layer.recurrent_states.get(k) is not None:
+                    layer.recurrent_states[k].copy_(v)
+                else:
+                    layer.recurrent_states[k] = v
+            layer.has_previous_state.update(s["has_prev"])
+            layer.is_conv_states_initialized.update(s["conv_init"])
+            layer.is_recurrent_states_initialized.update(s["rec_init"])
+
+    def _crop_attention(self, state: TargetState, drop: int) -> None:
+        for layer in getattr(state.cache, "layers", []):
+            if not hasattr(layer, "recurrent_states"):
+                layer.crop(-drop)

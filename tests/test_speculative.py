@@ -1,0 +1,160 @@
+"""End-to-end speculative decoding against tiny random transformers targets."""
+import warnings
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import tiny_config
+from targets import ARCHS, VOCAB, OracleProposer, build
+from dflash2.engine import DFlashProposer, speculative_generate
+from dflash2.model import DFlash2DraftModel
+from dflash2.target import TargetModel
+from dflash2.verification import SamplingParams, probs_from_logits
+
+warnings.filterwarnings("ignore")
+
+
+def random_draft(target: TargetModel, seed=0):
+    torch.manual_seed(seed)
+    cfg = tiny_config(hidden_size=target.config.hidden_size, vocab_size=VOCAB, mask_token_id=VOCAB - 1,
+                      target_layer_ids=[0, 2], num_target_layers=target.num_layers)
+    return DFlashProposer(DFlash2DraftModel(cfg).init_weights(std=0.2), target.embed, target.lm_head_weight)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def target(request):
+    return TargetModel(build(request.param), layer_ids=[0, 2])
+
+
+def hf_greedy(target, prompt, n):
+    out = target.model.generate(prompt[None], max_new_tokens=n, do_sample=False)
+    return out[0, prompt.numel():].tolist()
+
+
+@pytest.mark.parametrize("width", [5, 8])
+def test_greedy_equals_target(target, width):
+    g = torch.Generator().manual_seed(width)
+    for k in range(3):
+        prompt = torch.randint(3, VOCAB, (int(torch.randint(3, 12, (), generator=g)),), generator=g)
+        ref = hf_greedy(target, prompt, 24)
+        sp = SamplingParams(max_new_tokens=24)
+        for method in ("greedy", "token", "block"):
+            for proposer in (OracleProposer(ref, len(prompt), seed=k), random_draft(target, k)):
+                r = speculative_generate(target, proposer, prompt, sp, width=width, verify_method=method)
+                assert r.token_ids == ref, (method, type(proposer).__name__)
+                assert r.completion_tokens == len(ref)
+                assert sum(r.accept_hist) == r.verify_steps
+        # the oracle exercised full blocks and partial blocks
+        r = speculative_generate(target, OracleProposer(ref, len(prompt), seed=k), prompt, sp, width=width)
+    assert r.verify_steps < r.completion_tokens
+
+
+def test_plain_baseline_equals_target(target):
+    prompt = torch.randint(3, VOCAB, (6,))
+    ref = hf_greedy(target, prompt, 20)
+    r = speculative_generate(target, None, prompt, SamplingParams(max_new_tokens=20), width=1)
+    assert r.token_ids == ref and r.verify_steps == len(ref) - 1
+
+
+def test_full_block_and_rollback_exercised():
+    t = TargetModel(build("llama"), layer_ids=[0, 2])
+    prompt = torch.randint(3, VOCAB, (5,))
+    ref = hf_greedy(t, prompt, 40)
+    r = speculative_generate(t, OracleProposer(ref, 5, error_rate=0.1), prompt,
+                             SamplingParams(max_new_tokens=40, ignore_eos=True), width=5)
+    assert r.token_ids[:len(ref)] == ref
+    assert r.accept_hist[4] > 0 and sum(r.accept_hist[:4]) > 0
+
+
+def test_hybrid_rollback_matches_fresh_target():
+    """After a mid-block rejection, the next step equals a fresh target fed the committed tokens."""
+    model = build("kimi_linear")
+    t = TargetModel(model, layer_ids=[0, 2])
+    assert t.is_hybrid
+    ids = torch.randint(3, VOCAB, (40,))
+    with torch.no_grad():
+        full = model(ids[None]).logits[0]
+    state = t.new_state()
+    t.forward(state, ids[:7]); t.commit(state, 7)
+    pos = 7
+    for keep in [1, 5, 2, 3, 1, 4]:
+        block = ids[pos:pos + 5].clone(); block[keep:] = 3  # rejected drafts differ from the truth
+        logits, feats = t.forward(state, block)
+        torch.testing.assert_close(logits[:keep], full[pos:pos + keep], rtol=1e-4, atol=1e-4)
+        t.commit(state, keep)
+        pos += keep
+    logits, _ = t.forward(state, ids[pos:pos + 1])
+    torch.testing.assert_close(logits[0], full[pos], rtol=1e-4, atol=1e-4)
+
+
+def test_features_are_layer_outputs():
+    model = build("qwen3")
+    t = TargetModel(model, layer_ids=[0, 2])
+    ids = torch.randint(3, VOCAB, (9,))
+    logits, feats = t.forward(t.new_state(), ids)
+    with torch.no_grad():
+        hs = model(ids[None], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(feats, torch.cat([hs[1][0], hs[3][0]], -1))
+
+
+def test_seeded_sampling_reproduces():
+    t = TargetModel(build("llama"), layer_ids=[0, 2])
+    prompt = torch.randint(3, VOCAB, (6,))
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, seed=1234, ignore_eos=True)
+    a = speculative_generate(t, random_draft(t), prompt, sp, width=5, verify_method="block")
+    b = speculative_generate(t, random_draft(t), prompt, sp, width=5, verify_method="block")
+    assert a.token_ids == b.token_ids
+
+
+class NoisyProposer:
+    """Draws drafts from a fixed random distribution (dense q): accepts some, rejects some."""
+
+    def __init__(self, vocab, seed):
+        self.q = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 2, -1)
+
+    def begin(self, *a): pass
+
+    def commit(self, *a): pass
+
+    def propose(self, anchor, anchor_pos, num, sampling, uniforms):
+        from dflash2.verification import sample_from_probs
+        toks = sample_from_probs(self.q.expand(num, -1), uniforms)
+        return toks, self.q.expand(num, -1).clone()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,top_p", [("token", 1.0), ("block", 1.0), ("token", 0.8), ("block", 0.8)])
+def test_sampled_first_tokens_match_target_distribution(method, top_p):
+    """Temperature 1: the first two generated tokens follow the exact target distribution."""
+    import transformers as tf
+    V = 8
+    torch.manual_seed(3)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                               num_attention_heads=2, num_key_value_heads=1, eos_token_id=None,
+                                               bos_token_id=None, pad_token_id=None)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.5)
+    t = TargetModel(model, layer_ids=[0])
+    prompt = torch.tensor([1, 2, 3])
+    with torch.no_grad():
+        p1 = probs_from_logits(model(prompt[None]).logits[0, -1], 1.0, top_p=top_p)
+        joint = torch.zeros(V, V)
+        for a in range(V):
+            p2 = probs_from_logits(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1], 1.0, top_p=top_p)
+            joint[a] = p1[a] * p2
+    sp = lambda s: SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=2, seed=s, ignore_eos=True)
+    n = 3000
+    counts = torch.zeros(V * V)
+    proposer = NoisyProposer(V, 0)
+    for s in range(n):
+        toks = speculative_generate(t, proposer, prompt, sp(s), width=4, verify_method=method).token_ids
+        counts[toks[0] * V + toks[1]] += 1
+    exp = joint.flatten() * n
+    keep = exp > 5
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]]); ex = torch.cat([exp[keep], exp[~keep].sum()[None]])
+    if ex[-1] == 0:
+        obs, ex = obs[:-1], ex[:-1]
+    assert chisquare(obs.numpy(), ex.numpy() * obs.sum().item() / ex.sum().item()).pvalue > 1e-4

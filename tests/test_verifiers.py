@@ -1,0 +1,155 @@
+"""Verifiers as pure functions on small synthetic vocabularies."""
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dflash2.verification import (block_verify, greedy_verify, probs_from_logits, sample_from_probs,
+                                  token_level_verify)
+from dflash2.verification.verifiers import _assemble, _first_false
+
+V, G = 4, 2  # vocabulary and drafts per step
+
+
+def wrong_residual_verify(draft_tokens, q_draft, p_target, accept_uniforms, emit_uniforms):
+    """Token-level acceptance with a deliberately wrong residual (samples p instead of max(p-q,0))."""
+    B, g = draft_tokens.shape
+    x = draft_tokens.unsqueeze(-1)
+    px = p_target[:, :g].gather(-1, x).squeeze(-1)
+    qx = q_draft.gather(-1, x).squeeze(-1)
+    n = _first_false(accept_uniforms * qx < px)
+    rows = torch.arange(B)
+    return _assemble(draft_tokens, n, sample_from_probs(p_target[rows, n], emit_uniforms))
+
+
+class ToyLM:
+    """Context-dependent toy distributions: row = f(position, previous token)."""
+
+    def __init__(self, seed, sharp):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.softmax(torch.randn(8, V + 1, V, generator=g) * sharp, -1)
+
+    def dist(self, pos, prev):  # prev = V means "no previous token"
+        return self.table[pos.clamp(max=7), prev]
+
+
+def exact_joint(target, n_tokens):
+    probs = torch.zeros([V] * n_tokens)
+    for idx in torch.cartesian_prod(*[torch.arange(V)] * n_tokens):
+        pr, prev = 1.0, V
+        for pos, tok in enumerate(idx.tolist()):
+            pr *= float(target.table[pos, prev, tok]); prev = tok
+        probs[tuple(idx.tolist())] = pr
+    return probs.flatten()
+
+
+def run_chain(verifier, target, draft, n_rows, n_tokens, gen):
+    """Vectorised decode loop over ``n_rows`` independent sequences; returns their first tokens."""
+    out = torch.full((n_rows, n_tokens + G + 1), -1, dtype=torch.long)
+    length = torch.zeros(n_rows, dtype=torch.long)
+    rows = torch.arange(n_rows)
+    while bool((length < n_tokens).any()):
+        prev = torch.where(length > 0, out[rows, (length - 1).clamp(min=0)], torch.full_like(length, V))
+        drafts, qs, ps = [], [], []
+        pos, p_prev = length.clone(), prev.clone()
+        for i in range(G):
+            q = draft.dist(pos, p_prev)
+            x = sample_from_probs(q, torch.rand(n_rows, generator=gen))
+            ps.append(target.dist(pos, p_prev)); qs.append(q); drafts.append(x)
+            pos, p_prev = pos + 1, x
+        ps.append(target.dist(pos, p_prev))
+        res = verifier(torch.stack(drafts, 1), torch.stack(qs, 1), torch.stack(ps, 1),
+                       torch.rand(n_rows, G, generator=gen), torch.rand(n_rows, generator=gen))
+        for j in range(G + 1):
+            take = (j <= res.num_accepted) & (length < n_tokens)
+            out[rows[take], length[take]] = res.tokens[take, j]
+            length = length + take.long()
+    return out[:, :n_tokens]
+
+
+def chi_pvalue(samples, target, n_tokens):
+    idx = (samples * torch.tensor([V ** (n_tokens - 1 - i) for i in range(n_tokens)])).sum(1)
+    counts = torch.bincount(idx, minlength=V ** n_tokens).double()
+    expected = exact_joint(target, n_tokens).double() * len(samples)
+    keep = expected > 5  # chi-square needs populated bins; pool the rest
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
+
+
+@pytest.mark.parametrize("verifier", [token_level_verify, block_verify])
+def test_emitted_sequences_follow_target(seed, verifier):
+    gen = torch.Generator().manual_seed(seed)
+    target, draft = ToyLM(seed, 1.5), ToyLM(seed + 1, 1.5)
+    samples = run_chain(verifier, target, draft, 40000, 3, gen)
+    assert chi_pvalue(samples, target, 3) > 1e-4
+
+
+def test_chi_square_catches_wrong_residual(seed):
+    gen = torch.Generator().manual_seed(seed)
+    target, draft = ToyLM(seed, 1.5), ToyLM(seed + 1, 1.5)
+    samples = run_chain(wrong_residual_verify, target, draft, 40000, 3, gen)
+    assert chi_pvalue(samples, target, 3) < 1e-6
+
+
+def test_block_accepts_at_least_token_level(seed):
+    gen = torch.Generator().manual_seed(seed)
+    B, g = 30000, 4
+    p_rows = torch.softmax(torch.randn(1, g + 1, V, generator=gen) * 1.5, -1).expand(B, -1, -1)
+    q_rows = torch.softmax(torch.randn(1, g, V, generator=gen) * 1.5, -1).expand(B, -1, -1)
+    drafts = torch.stack([sample_from_probs(q_rows[:, i], torch.rand(B, generator=gen)) for i in range(g)], 1)
+    u, e = torch.rand(B, g, generator=gen), torch.rand(B, generator=gen)
+    tok = token_level_verify(drafts, q_rows, p_rows, u, e).num_accepted.double().mean()
+    blk = block_verify(drafts, q_rows, p_rows, u, e).num_accepted.double().mean()
+    assert blk >= tok - 0.02, (blk, tok)
+
+
+def test_greedy_verify_cases():
+    logits = torch.tensor([[[0, 5, 0, 0], [0, 0, 5, 0], [5, 0, 0, 0]]], dtype=torch.float)
+    r = greedy_verify(torch.tensor([[1, 2]]), logits)
+    assert r.row(0) == [1, 2, 0] and int(r.num_accepted[0]) == 2
+    r = greedy_verify(torch.tensor([[1, 3]]), logits)
+    assert r.row(0) == [1, 2]
+    r = greedy_verify(torch.tensor([[0, 2]]), logits)
+    assert r.row(0) == [1] and r.tokens[0].tolist() == [1, -1, -1]
+
+
+@pytest.mark.parametrize("verifier", [token_level_verify, block_verify])
+def test_one_hot_inputs_reduce_to_greedy(seed, verifier):
+    B, g, Vb = 64, 4, 11
+    logits = torch.randn(B, g + 1, Vb)
+    p = probs_from_logits(logits, 0.0)
+    best = logits.argmax(-1)
+    drafts = torch.where(torch.rand(B, g) < 0.7, best[:, :g], torch.randint(0, Vb, (B, g)))
+    q = torch.nn.functional.one_hot(drafts, Vb).float()
+    got = verifier(drafts, q, p, torch.rand(B, g), torch.rand(B))
+    ref = greedy_verify(drafts, logits)
+    assert torch.equal(got.tokens, ref.tokens)
+
+
+def test_logits_processing_semantics():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    torch.testing.assert_close(probs_from_logits(logits, 1.0), torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    torch.testing.assert_close(probs_from_logits(logits, 1.0, top_k=2), torch.tensor([[5 / 7, 2 / 7, 0, 0, 0]]))
+    # top-p keeps the smallest prefix whose mass reaches p: 0.5+0.2 = 0.7 >= 0.6
+    torch.testing.assert_close(probs_from_logits(logits, 1.0, top_p=0.6), torch.tensor([[5 / 7, 2 / 7, 0, 0, 0]]))
+    torch.testing.assert_close(probs_from_logits(logits, 1.0, top_p=0.7001),
+                               torch.tensor([[0.5, 0.2, 0.15, 0, 0]]) / 0.85)
+    # min-p: keep tokens with p >= min_p * max_p = 0.25 * 0.5
+    torch.testing.assert_close(probs_from_logits(logits, 1.0, min_p=0.25), torch.tensor([[0.5, 0.2, 0.15, 0, 0]]) / 0.85)
+    # temperature sharpens; temperature 0 is one-hot
+    t = probs_from_logits(logits, 0.5)
+    torch.testing.assert_close(t, torch.softmax(logits / 0.5, -1))
+    assert probs_from_logits(logits, 0.0).tolist() == [[1.0, 0, 0, 0, 0]]
+    # per-row parameters
+    two = probs_from_logits(logits.expand(2, -1), torch.tensor([0.0, 1.0]), torch.tensor([-1, 2]))
+    assert two[0].tolist() == [1.0, 0, 0, 0, 0]
+    torch.testing.assert_close(two[1], torch.tensor([5 / 7, 2 / 7, 0, 0, 0]))
+
+
+def test_sample_from_probs_never_picks_zero_mass(seed):
+    p = torch.tensor([0.0, 0.3, 0.0, 0.7, 0.0]).expand(1000, -1)
+    u = torch.cat([torch.zeros(1), torch.ones(1) - 1e-9, torch.rand(998)])
+    s = sample_from_probs(p, u)
+    assert set(s.tolist()) <= {1, 3}
