@@ -84,12 +84,13 @@ def load_draft(folder: str | Path, device: str | torch.device = "cpu",
     return model.eval()
 
 
-def save_draft(model: DFlash2DraftModel, folder: str | Path, max_shard_bytes: int | None = None) -> None:
+def save_draft(model: DFlash2DraftModel, folder: str | Path, max_shard_bytes: int | None = None,
+               dtype: torch.dtype | None = None) -> None:
     """Write ``config.json`` and the weights; shard when ``max_shard_bytes`` is given and exceeded."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.config.save(folder / "config.json")
-    state = OrderedDict((k, v.detach().contiguous().cpu()) for k, v in model.state_dict().items())
+    state = OrderedDict((k, v.detach().to(dtype or v.dtype).contiguous().cpu()) for k, v in model.state_dict().items())
     total = sum(v.numel() * v.element_size() for v in state.values())
     meta = {"format": "pt"}
     if max_shard_bytes is None or total <= max_shard_bytes:

@@ -27,12 +27,12 @@ class BlockConv(nn.Module):
     def prepare(self, x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Predict both sides' coefficients from the sublayer input and apply side 0."""
         dyn = self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, self.num_groups))
-        return self._apply(x, dyn, side=0, width=width), dyn
+        return self._conv(x, dyn, side=0, width=width), dyn
 
     def finish(self, h: torch.Tensor, dyn: torch.Tensor, width: int) -> torch.Tensor:
-        return self._apply(h, dyn, side=1, width=width)
+        return self._conv(h, dyn, side=1, width=width)
 
-    def _apply(self, z: torch.Tensor, dyn: torch.Tensor, side: int, width: int) -> torch.Tensor:
+    def _conv(self, z: torch.Tensor, dyn: torch.Tensor, side: int, width: int) -> torch.Tensor:
         # z: [B, N*width, H] -> blocks [B, N, width, H]
         B, L, H = z.shape
         if L % width:

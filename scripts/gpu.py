@@ -1,0 +1,154 @@
+"""One script for the lent H200 (see docs/benchmarks.md). Stages, each one device call:
+
+  python scripts/gpu.py stash                       # carries stash_a/: first half of the SmolLM2 GGUF -> ~/stash
+  python scripts/gpu.py prepare --train-seconds S   # carries stash_b/, .whl/, work/: join, check sha256,
+                                                    #   convert, generate training data, start training
+  python scripts/gpu.py train --steps N --train-seconds S --bench   # resume, finish, export, benchmark
+
+Everything between calls lives in ~/stash (kept only while the machine stays warm, 30 s).
+Details go under $OUT; a short table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+STASH = Path.home() / "stash"
+OUT = Path(os.environ.get("OUT", "/tmp/out"))
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def env_report() -> dict:
+    import torch
+    import transformers
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "cuda": torch.cuda.is_available(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "python": sys.version.split()[0]}
+    log(f"env {info}")
+    return info
+
+
+def stage_stash(args) -> None:
+    STASH.mkdir(exist_ok=True)
+    shutil.copy(ROOT / "stash_a" / "part0", STASH / "part0")
+    log(f"stashed part0 ({(STASH / 'part0').stat().st_size} bytes)")
+    env_report()
+
+
+def target_folder() -> Path:
+    folder = STASH / "smollm2"
+    if (folder / "config.json").is_file():
+        return folder
+    part0 = STASH / "part0"
+    if not part0.is_file():
+        sys.exit("FATAL: ~/stash/part0 is gone (the machine was given back between calls). "
+                 "Run the 'stash' stage again, then this one right after it.")
+    gguf = STASH / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with open(gguf, "wb") as f:
+        for part in (part0, ROOT / "stash_b" / "part1"):
+            f.write(part.read_bytes())
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    if digest != GGUF_SHA256:
+        sys.exit(f"FATAL: joined GGUF sha256 {digest} != expected {GGUF_SHA256}")
+    log("GGUF joined, sha256 ok; converting to bf16 safetensors")
+    from dflash2.target.loading import convert_gguf
+    return convert_gguf(gguf, folder)
+
+
+def stage_prepare(args) -> None:
+    import torch
+    from dflash2.target.loading import load_target
+    from dflash2.training.data import TokenDataset, generate_responses
+    info = env_report()
+    folder = target_folder()
+    target = load_target(folder, "bfloat16", "cuda")
+    prompts = [json.loads(l) for l in (ROOT / "work" / "prompts.jsonl").read_text().splitlines()]
+    gsm = [p["text"] for p in prompts if p["source"] == "gsm8k"]
+    share = [p["text"] for p in prompts if p["source"] == "sharegpt"]
+    t0 = time.time()
+    rows = []
+    jobs = [(gsm, 0.0, 1.0, 320), (gsm[: args.sampled_gsm8k], 1.0, 0.95, 320),
+            (share[: len(share) // 2], 0.0, 1.0, 384), (share[len(share) // 2:], 1.0, 0.95, 384)]
+    for texts, temp, top_p, mnt in jobs:
+        rows += generate_responses(target.model, target.tokenizer, texts, args.gen_batch, mnt, temp, top_p)
+        log(f"generated {len(rows)} rows, {time.time() - t0:.0f}s")
+    ds = TokenDataset(rows)
+    ds.save(STASH / "data.pt")
+    stats = {"sequences": len(ds), "tokens": ds.num_tokens(),
+             "response_tokens": sum(len(r["ids"]) - r["prompt_len"] for r in rows), "gen_seconds": time.time() - t0, **info}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "data_stats.json").write_text(json.dumps(stats, indent=2))
+    log(f"data {stats}")
+    del target
+    torch.cuda.empty_cache()
+    if args.train_seconds > 0:
+        run_training(args, folder, resume=False)
+
+
+def run_training(args, folder: Path, resume: bool) -> dict:
+    from dflash2.target.loading import load_target
+    from dflash2.training.trainer import TrainConfig, train
+    tc = TrainConfig(data=str(STASH / "data.pt"), output_dir=str(STASH / "draft"),
+                     draft_config=str(ROOT / "configs" / "smollm2-135m-dflash2.json"), steps=args.steps,
+                     batch_size=args.batch_size, max_len=768, anchors_per_seq=args.anchors, lr=args.lr, warmup=200,
+                     device="cuda", save_every=1000, eval_every=args.eval_every, eval_prompts=4, resume=resume,
+                     time_limit_s=args.train_seconds)
+    target = load_target(folder, "bfloat16", "cuda")
+    res = train(tc, target)
+    h = res["history"]
+    summary = {"steps_done": res["steps"], "seconds": res["seconds"], "tokens": res["tokens"],
+               "steps_per_s": len(h) / res["seconds"], "final": h[-1] if h else None, "config": vars(args)}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"train_{'resume' if resume else 'first'}.json").write_text(json.dumps(summary, indent=2))
+    log(f"training: {summary['steps_done']} steps, {summary['steps_per_s']:.2f} steps/s, final {summary['final']}")
+    return summary
+
+
+def stage_train(args) -> None:
+    import torch
+    from dflash2.model.checkpoint import load_draft, save_draft
+    env_report()
+    folder = target_folder()
+    if not (STASH / "draft" / "config.json").is_file():
+        sys.exit("FATAL: ~/stash/draft is gone; run 'stash' and 'prepare' again")
+    if args.train_seconds > 0:
+        run_training(args, folder, resume=True)
+    draft = load_draft(STASH / "draft", device="cpu")
+    save_draft(draft, OUT / "draft", max_shard_bytes=15 * 2**20, dtype=torch.bfloat16)
+    shutil.copy(STASH / "draft" / "train_log.jsonl", OUT / "train_log.jsonl")
+    log("exported bf16 draft to $OUT/draft")
+    if args.bench:
+        from dflash2.benchmark.gpu_bench import run_gpu_bench
+        run_gpu_bench(folder, OUT / "draft", OUT, seconds=args.bench_seconds)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("stage", choices=["stash", "prepare", "train"])
+    ap.add_argument("--gen-batch", type=int, default=1024)
+    ap.add_argument("--sampled-gsm8k", type=int, default=4000)
+    ap.add_argument("--train-seconds", type=float, default=0)
+    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--anchors", type=int, default=48)
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--eval-every", type=int, default=0)
+    ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--bench-seconds", type=float, default=150)
+    args = ap.parse_args()
+    {"stash": stage_stash, "prepare": stage_prepare, "train": stage_train}[args.stage](args)
+
+
+if __name__ == "__main__":
+    main()

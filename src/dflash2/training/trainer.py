@@ -1,0 +1,179 @@
+"""``dflash2 train``: fit a DFlash2 drafter to a frozen target on the target's own answers."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..config import DFlash2Config
+from ..model import DFlash2DraftModel
+from ..model.checkpoint import load_draft, save_draft
+from .data import TokenDataset
+from .losses import draft_loss, lr_at, sample_blocks
+
+
+@dataclass
+class TrainConfig:
+    data: str
+    output_dir: str
+    draft_config: str | dict            # a config.json path, or the dict itself (target fields filled in)
+    target_path: str | None = None      # None: the default target
+    steps: int = 1000
+    batch_size: int = 16
+    max_len: int = 768
+    anchors_per_seq: int = 48
+    lr: float = 6e-4
+    warmup: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float = 7.0
+    selector_weight: float = 1.0
+    seed: int = 0
+    device: str = "cpu"
+    save_every: int = 500
+    eval_every: int = 500
+    eval_prompts: int = 4
+    eval_max_new_tokens: int = 96
+    heldout_fraction: float = 0.01
+    resume: bool = False
+    time_limit_s: float | None = None   # stop (and save) after this much wall time
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides) -> "TrainConfig":
+        raw = json.loads(Path(path).read_text())
+        raw.update({k: v for k, v in overrides.items() if v is not None})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(raw) - names
+        if unknown:
+            raise ValueError(f"unknown training config key(s): {sorted(unknown)}")
+        return cls(**raw)
+
+
+def _draft_config(tc: TrainConfig, target) -> DFlash2Config:
+    raw = json.loads(Path(tc.draft_config).read_text()) if isinstance(tc.draft_config, str) else dict(tc.draft_config)
+    raw.setdefault("hidden_size", target.config.hidden_size)
+    raw.setdefault("vocab_size", target.lm_head_weight.shape[0])
+    raw.setdefault("num_target_layers", target.num_layers)
+    return DFlash2Config.from_dict(raw)
+
+
+def heldout_acceptance(target, draft, rows, width: int, max_new_tokens: int) -> float:
+    from ..engine import DFlashProposer, speculative_generate
+    from ..verification import SamplingParams
+
+    C = V = 0
+    for r in rows:
+        prop = DFlashProposer(draft, target.embed, target.lm_head_weight)
+        res = speculative_generate(target, prop, r["ids"][: r["prompt_len"]].long(),
+                                   SamplingParams(max_new_tokens=max_new_tokens), width=width)
+        C += res.completion_tokens; V += res.verify_steps
+    return C / max(V, 1)
+
+
+def _init_from_target(draft, target) -> None:
+    """Start the draft's final norm at a tenth of the target's: with a tied LM head, the MASK slots
+    would otherwise start by predicting MASK itself with huge confidence (CE ~50 nats)."""
+    norm = getattr(getattr(target.model, "model", None), "norm", None)
+    w = getattr(norm, "weight", None)
+    if w is not None and w.shape == draft.norm.weight.shape:
+        with torch.no_grad():
+            draft.norm.weight.copy_(0.1 * w.float())
+
+
+def train(tc: TrainConfig, target=None) -> dict:
+    from ..target.loading import load_target
+
+    torch.manual_seed(tc.seed)
+    rng = random.Random(tc.seed)
+    device = torch.device(tc.device)
+    on_gpu = device.type == "cuda"
+    if target is None:
+        target = load_target(tc.target_path, "bfloat16" if on_gpu else "float32", tc.device)
+    out = Path(tc.output_dir)
+    if tc.resume and (out / "config.json").is_file():
+        draft = load_draft(out, device=device, dtype=torch.float32).train()
+        state = torch.load(out / "trainer_state.pt", weights_only=False)
+    else:
+        draft = DFlash2DraftModel(_draft_config(tc, target)).to(device).init_weights()
+        _init_from_target(draft, target)
+        state = None
+    cfg = draft.config
+    target.set_layer_ids(cfg.target_layer_ids)
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    data = TokenDataset.load(tc.data)
+    n_held = max(1, int(len(data) * tc.heldout_fraction))
+    idx = list(range(len(data)))
+    rng.shuffle(idx)
+    held, train_idx = [data.rows[i] for i in idx[:n_held]], idx[n_held:]
+    opt = torch.optim.AdamW(draft.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    step = 0
+    if state is not None:
+        opt.load_state_dict(state["optimizer"]); step = state["step"]; rng.setstate(state["rng"])
+    pad = int(cfg.mask_token_id)
+    width = cfg.block_size
+    history: list[dict] = []
+    t_start = time.perf_counter()
+    tokens_seen = 0
+    bar = tqdm(total=tc.steps, initial=step, desc="train", dynamic_ncols=True)
+    order: list[int] = []
+    while step < tc.steps:
+        if len(order) < tc.batch_size:
+            order += rng.sample(train_idx, len(train_idx))
+        batch, order = order[:tc.batch_size], order[tc.batch_size:]
+        ids, loss_mask, valid = data.batch(batch, tc.max_len, pad)
+        ids, loss_mask, valid = ids.to(device), loss_mask.to(device), valid.to(device)
+        with torch.no_grad():
+            target._captured.clear()
+            target.model(input_ids=ids, attention_mask=valid.long(), use_cache=False)
+            feats = torch.cat([target._captured[i] for i in target.layer_ids], -1)
+        blocks = sample_blocks(ids, loss_mask, tc.anchors_per_seq, width, cfg.mask_token_id, tc.gamma)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, tc.steps, tc.warmup, tc.lr, tc.min_lr_ratio)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
+            lo = draft_loss(draft, feats, valid, blocks, target.embed, target.lm_head_weight, tc.selector_weight)
+        opt.zero_grad(set_to_none=True)
+        lo.loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), tc.grad_clip)
+        opt.step()
+        step += 1
+        tokens_seen += int(valid.sum())
+        rec = {"step": step, "loss": lo.loss.item(), "ce": lo.ce.item(), "selector": lo.selector.item(),
+               "top1": lo.top1_acc, "recall": lo.cand_recall, "grad_norm": float(gnorm)}
+        history.append(rec)
+        elapsed = time.perf_counter() - t_start
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", top1=f"{rec['top1']:.3f}", recall=f"{rec['recall']:.3f}",
+                        tok_s=f"{tokens_seen / elapsed:.0f}")
+        bar.update(1)
+        last = step == tc.steps or (tc.time_limit_s and elapsed > tc.time_limit_s)
+        if tc.eval_every and (step % tc.eval_every == 0 or last):
+            draft.eval()
+            al = heldout_acceptance(target, draft, held[:tc.eval_prompts], width, tc.eval_max_new_tokens)
+            draft.train()
+            rec["heldout_accept_length"] = al
+            tqdm.write(f"step {step}: held-out acceptance length {al:.3f} (width {width}, greedy)")
+        if step % tc.save_every == 0 or last:
+            _save(draft, opt, step, rng, out, history)
+        if last:
+            break
+    bar.close()
+    return {"steps": step, "history": history, "seconds": time.perf_counter() - t_start, "tokens": tokens_seen}
+
+
+def _save(draft, opt, step, rng, out: Path, history) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".tmp"
+    save_draft(draft, tmp)
+    torch.save({"optimizer": opt.state_dict(), "step": step, "rng": rng.getstate()}, tmp / "trainer_state.pt")
+    for f in tmp.iterdir():
+        f.replace(out / f.name)
+    tmp.rmdir()
+    (out / "train_log.jsonl").write_text("\n".join(json.dumps(h) for h in history) + "\n")
