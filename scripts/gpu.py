@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 STASH = Path.home() / "stash"
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
+T_START = time.time()
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
@@ -92,7 +93,9 @@ def stage_prepare(args) -> None:
     log(f"data {stats}")
     del target
     torch.cuda.empty_cache()
-    if args.train_seconds > 0:
+    left = args.deadline_s - (time.time() - T_START) - 40  # leave time for the final eval and save
+    if left > 30:
+        args.train_seconds = min(args.train_seconds, left) if args.train_seconds else left
         run_training(args, folder, resume=False)
 
 
@@ -144,6 +147,7 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=48)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--eval-every", type=int, default=0)
+    ap.add_argument("--deadline-s", type=float, default=560, help="wall budget of the prepare stage")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--bench-seconds", type=float, default=150)
     args = ap.parse_args()
