@@ -252,7 +252,7 @@ def test_incremental_context_cache_equals_recompute(seed, width):
         fresh = DraftContextCache(model)
         fresh.append(model, feats[:anchor], torch.arange(anchor))
         full = draft_block(model, [fresh], tok, torch.tensor([anchor]), width, emb, lm)
-        torch.testing.assert_close(inc.logits, full.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(inc.logits, full.logits, rtol=1e-4, atol=1e-4)
         assert len(cache) <= cfg.sliding_window
     assert len(cache) < T
 

@@ -11,8 +11,8 @@ from .speed import format_table, gsm8k_test_prompts, save_rows, side_by_side
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def run_gpu_bench(target_folder, draft_folder, out: Path, seconds: float = 150, n_prompts: int = 10,
-                  max_new_tokens: int = 192) -> None:
+def run_gpu_bench(target_folder, draft_folder, out: Path, seconds: float = 150, n_prompts: int = 4,
+                  max_new_tokens: int = 128) -> None:
     import torch
     draft = load_draft(draft_folder, device="cuda", dtype=torch.bfloat16)
     target = load_target(target_folder, "bfloat16", "cuda", layer_ids=draft.config.target_layer_ids)

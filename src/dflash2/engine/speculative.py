@@ -88,7 +88,7 @@ def speculative_generate(target: TargetModel, proposer, prompt_ids: list[int] | 
     res = GenerationResult([], 0, 0, [0] * (width if proposer is not None else 1))
     t0 = time.perf_counter()
 
-    logits, feats = target.forward(state, prompt)
+    logits, feats = target.forward(state, prompt, logits_to_keep=1)
     target.commit(state, L)
     p_last = probs_from_logits(logits[-1], sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
     out = [int(sample_from_probs(p_last, torch.rand((), generator=gen).to(p_last.device)))]

@@ -80,12 +80,18 @@ class MLAttention(nn.Module):
         q_pe = apply_interleaved_rope(q_pe, cos.unsqueeze(-2), sin.unsqueeze(-2))
         lat = torch.cat([ctx_latent.to(h.dtype), self.latent(h, positions)], dim=1)  # context first
         c, k_pe = lat.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
+        c = self.kv_a_layernorm(c)
+        # Absorbed MLA: fold kv_b's key half into the queries and its value half into the output, so
+        # attention runs over the latent (kv_lora + rope values per token, shared by all heads)
+        # instead of expanding every context row to n heads each step. Same function as
+        # k_nope, v = kv_b(c) per head; the test against the float64 reference checks that.
+        w_kv = self.kv_b_proj.weight.view(n, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w_uk, w_uv = w_kv[:, :cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim:]
+        q_lat = torch.einsum("blhd,hdc->bhlc", q_nope, w_uk)
+        q = torch.cat([q_lat, q_pe.transpose(1, 2)], -1)                      # [B, n, Lq, lora+rope]
         Lk = lat.shape[1]
-        kv = self.kv_b_proj(self.kv_a_layernorm(c)).view(B, Lk, n, cfg.qk_nope_head_dim + cfg.v_head_dim)
-        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], -1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, Lk, n, cfg.qk_rope_head_dim)], -1)
-        q = torch.cat([q_nope, q_pe], -1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask.unsqueeze(1), scale=self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(B, Lq, n * cfg.v_head_dim))
+        k = torch.cat([c, k_pe], -1).unsqueeze(1).expand(B, n, Lk, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        v = c.unsqueeze(1).expand(B, n, Lk, cfg.kv_lora_rank)
+        out_lat = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=self.scale)
+        out = torch.einsum("bhlc,hvc->blhv", out_lat, w_uv)
+        return self.o_proj(out.reshape(B, Lq, n * cfg.v_head_dim))

@@ -12,6 +12,16 @@ from .rope import RotaryEmbedding
 from .selector import CandidateSelector
 
 
+def lm_head_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T``. On the CPU in float32, ``(weight @ hidden.T).T`` takes a much faster
+    GEMM path for a few rows against a large vocabulary (measured 35 ms -> 13 ms for 5 x 49152 x 576)."""
+    if hidden.device.type == "cpu" and weight.dtype == torch.float32 and hidden.dim() >= 2:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if 1 < flat.shape[0] <= 64:
+            return (weight @ flat.T).T.reshape(*hidden.shape[:-1], weight.shape[0])
+    return F.linear(hidden, weight)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
@@ -89,7 +99,7 @@ class DFlash2DraftModel(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight).float() * self.config.output_multiplier
+        logits = lm_head_matmul(hidden.to(lm_head_weight.dtype), lm_head_weight).float() * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap:
             logits = cap * torch.tanh(logits / cap)

@@ -42,9 +42,13 @@ class CandidateSelector(nn.Module):
         nn.init.zeros_(self.successor_codebook)
 
     def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k per slot, ordered by logit (ties: lower id first)."""
-        vals, ids = logits.float().sort(dim=-1, descending=True, stable=True)
-        return vals[..., : self.top_k], ids[..., : self.top_k]
+        """Top-k per slot, ordered by logit (ties: lower id first). topk, then a stable sort of
+        the k survivors by id and value, avoids sorting the whole vocabulary."""
+        vals, ids = logits.float().topk(self.top_k, dim=-1)
+        ids, order = ids.sort(dim=-1)
+        vals = vals.gather(-1, order)
+        vals, order = vals.sort(dim=-1, descending=True, stable=True)
+        return vals, ids.gather(-1, order)
 
     def pair_weights(self, hidden: torch.Tensor, cand_ids: torch.Tensor) -> torch.Tensor:
         """``B[cand] * hidden_projection(h_t)``: ``[B, g, k, r]`` in fp32, so that

@@ -55,6 +55,7 @@ class TargetModel:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         if self._cache_kw not in params:
             raise UnsupportedTargetError(f"{type(model).__name__}.forward takes no KV cache argument")
+        self._accepts_keep = "logits_to_keep" in params
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = []
         self.layer_ids: list[int] = []
@@ -66,6 +67,23 @@ class TargetModel:
         types = getattr(self.config, "layer_types", None) or []
         self.is_hybrid = any(t in ("linear_attention", "mamba", "ssm", "recurrent") for t in types) or \
             getattr(self.config, "model_type", "") in ("mamba", "mamba2", "falcon_mamba")
+
+    def use_fast_cpu_linears(self) -> int:
+        """On the CPU in float32, route bias-free Linears through ``lm_head_matmul``: a verify
+        pass over 5-8 tokens then costs far less than 5-8 one-token steps (AVX2 machines have no
+        fast bf16 GEMM, and MKL's default orientation is slow for a few rows). Same function;
+        only float rounding differs. Returns how many layers were switched."""
+        import types
+
+        from ..model.draft import lm_head_matmul
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return 0
+        n = 0
+        for mod in self.model.modules():
+            if type(mod) is torch.nn.Linear and mod.bias is None:
+                mod.forward = types.MethodType(lambda m, x: lm_head_matmul(x, m.weight), mod)
+                n += 1
+        return n
 
     # ---- hooks ------------------------------------------------------------------------------
     def set_layer_ids(self, layer_ids: list[int]) -> None:
@@ -91,8 +109,10 @@ class TargetModel:
         return TargetState(cache=cache)
 
     @torch.no_grad()
-    def forward(self, state: TargetState, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run ``input_ids [L]`` after the committed tokens. Returns logits ``[L, V]`` (float32)
+    def forward(self, state: TargetState, input_ids: torch.Tensor,
+                logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``input_ids [L]`` after the committed tokens. Returns logits ``[L, V]`` (float32; only
+        the last ``logits_to_keep`` rows when given: a prefill needs one row, not a vocabulary per token)
         and the concatenated hooked features ``[L, K*H]``. Tokens are appended to the cache as
         pending; call :meth:`commit` to keep a prefix."""
         L = input_ids.shape[-1]
@@ -101,12 +121,15 @@ class TargetModel:
         pos = torch.arange(state.length, state.length + L, device=self.device)[None]
         self._captured.clear()
         out = self.model(input_ids=input_ids.view(1, L).to(self.device), position_ids=pos,
-                         use_cache=True, **{self._cache_kw: state.cache})
+                         use_cache=True, **{self._cache_kw: state.cache}, **self._keep_kw(logits_to_keep))
         feats = torch.cat([self._captured[i][0] for i in self.layer_ids], -1) if self.layer_ids else \
             torch.empty(L, 0, device=self.device)
         self._pending = (input_ids.view(-1), L)
         state.length += L
         return out.logits[0].float(), feats
+
+    def _keep_kw(self, n: int) -> dict:
+        return {"logits_to_keep": n} if n and self._accepts_keep else {}
 
     @torch.no_grad()
     def commit(self, state: TargetState, keep: int) -> None:

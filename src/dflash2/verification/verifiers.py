@@ -62,7 +62,7 @@ def token_level_verify(draft_tokens: torch.Tensor, q_draft: torch.Tensor, p_targ
     n = _first_false(accept_uniforms * qx < px)
     rows = torch.arange(B, device=draft_tokens.device)
     p_n = p_target[rows, n].float()
-    q_n = torch.cat([q_draft, torch.zeros_like(q_draft[:, :1])], dim=1)[rows, n].float()  # zero after a full block
+    q_n = torch.cat([q_draft, q_draft.new_zeros(B, 1, p_target.shape[-1])], dim=1)[rows, n].float()  # zero after a full block
     bonus = _residual_sample(p_n, (p_n - q_n).clamp_min(0), emit_uniforms)
     return _assemble(draft_tokens, n, bonus)
 
@@ -91,7 +91,7 @@ def block_verify(draft_tokens: torch.Tensor, q_draft: torch.Tensor, p_target: to
     tau = (passed * idx).amax(dim=1)                                 # largest passing i, 0 if none
     rows = torch.arange(B, device=p_t.device)
     p_next = p_t[rows, tau]
-    q_next = torch.cat([q_d, torch.zeros_like(q_d[:, :1])], dim=1)[rows, tau]
+    q_next = torch.cat([q_d, q_d.new_zeros(B, 1, p_t.shape[-1])], dim=1)[rows, tau]
     residual = (P[rows, tau][:, None] * p_next - q_next).clamp_min(0)
     residual = torch.where((tau == g)[:, None], p_next, residual)
     bonus = _residual_sample(p_next, residual, emit_uniforms)

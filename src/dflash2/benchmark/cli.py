@@ -1,0 +1,36 @@
+"""``dflash2 bench speed``: side-by-side speed in process (target alone vs DFlash2)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench_cmd", required=True)
+    s = bsub.add_parser("speed", help="target alone vs DFlash2 on the same prompts, in one run")
+    from ..cli import add_model_flags
+    add_model_flags(s)
+    s.add_argument("--gsm8k-path", default=str(Path(__file__).resolve().parents[3].parent / "shared/data/gsm8k/test.jsonl"))
+    s.add_argument("--limit", type=int, default=20)
+    s.add_argument("--max-new-tokens", type=int, default=256)
+    s.add_argument("--widths", default="5,8")
+    s.add_argument("--temperatures", default="0,1")
+    s.add_argument("--verifiers", default="token,block")
+    s.add_argument("--output", default=None)
+    s.set_defaults(fn=cmd_speed)
+
+
+def cmd_speed(args) -> int:
+    from ..cli import load_models
+    from .speed import format_table, gsm8k_test_prompts, save_rows, side_by_side
+
+    target, draft, _ = load_models(args)
+    prompts = gsm8k_test_prompts(args.gsm8k_path, args.limit)
+    rows = side_by_side(target, draft, prompts, widths=[int(w) for w in args.widths.split(",")],
+                        temperatures=[float(t) for t in args.temperatures.split(",")],
+                        max_new_tokens=args.max_new_tokens, verifies=tuple(args.verifiers.split(",")))
+    print(format_table(rows))
+    if args.output:
+        save_rows(rows, args.output)
+    return 0

