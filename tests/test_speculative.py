@@ -158,3 +158,17 @@ def test_sampled_first_tokens_match_target_distribution(method, top_p):
     if ex[-1] == 0:
         obs, ex = obs[:-1], ex[:-1]
     assert chisquare(obs.numpy(), ex.numpy() * obs.sum().item() / ex.sum().item()).pvalue > 1e-4
+
+
+def test_fast_cpu_linears_keep_greedy_exact():
+    model = build("llama", seed=5)
+    t = TargetModel(model, layer_ids=[0, 2])
+    assert t.use_fast_cpu_linears() > 0
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        prompt = torch.randint(3, VOCAB, (7,), generator=g)
+        with torch.no_grad():
+            ref = model.generate(prompt[None], max_new_tokens=24, do_sample=False)[0, 7:].tolist()
+        for w in (5, 8):
+            r = speculative_generate(t, OracleProposer(ref, 7), prompt, SamplingParams(max_new_tokens=24), width=w)
+            assert r.token_ids == ref

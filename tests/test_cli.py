@@ -1,0 +1,52 @@
+"""The command line on the shipped default (SmolLM2-135M-Instruct + the committed drafter)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(*args, check=True):
+    p = subprocess.run([sys.executable, "-m", "dflash2.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=900)
+    if check and p.returncode:
+        raise AssertionError(p.stderr[-3000:])
+    return p
+
+
+def test_inspect_published_config():
+    out = run("inspect", "configs/kimi-k3.1-dflash2-preview.json").stdout
+    assert "2,784,811,008" in out and "selector" in out
+
+
+def test_inspect_errors_name_the_key(tmp_path):
+    cfg = json.loads((REPO / "configs/kimi-k3.1-dflash2-preview.json").read_text())
+    cfg["dflash_config"]["conv_group_size"] = 10
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    p = run("inspect", str(tmp_path), check=False)
+    assert p.returncode == 2 and "conv_group_size" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_generate_default_fp32_lossless():
+    """DFlash2 and the target alone give the same tokens (float32, greedy) on the real default."""
+    prompt = "Tom has 3 boxes with 12 apples each. He gives away 7 apples. How many apples are left?"
+    spec = json.loads(run("generate", "--prompt", prompt, "--max-new-tokens", "48", "--dtype", "float32",
+                          "--json").stdout.strip().splitlines()[-1])
+    base = json.loads(run("generate", "--prompt", prompt, "--max-new-tokens", "48", "--dtype", "float32",
+                          "--speculative-algorithm", "NONE", "--json").stdout.strip().splitlines()[-1])
+    assert spec["token_ids"] == base["token_ids"]
+    assert spec["completion_tokens"] == len(spec["token_ids"])
+    assert spec["accept_length"] > 1.5  # the shipped drafter really drafts
+    assert set(spec) >= {"text", "token_ids", "completion_tokens", "verify_steps", "accept_length", "tokens_per_s"}
+
+
+def test_corrupt_drafter_is_a_clear_error(tmp_path):
+    import shutil
+    d = tmp_path / "draft"
+    shutil.copytree(REPO / "models/smollm2-135m-dflash2", d)
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 3])
+    p = run("generate", "--prompt", "hi", "--speculative-draft-model-path", str(d), check=False)
+    assert p.returncode == 2 and "model.safetensors" in p.stderr and "Traceback" not in p.stderr
