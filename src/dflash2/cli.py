@@ -24,6 +24,9 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--trust-remote-code", action="store_true")
+    ap.add_argument("--verify-manifest", default=None, help="refuse a drafter whose files fail this manifest")
+    ap.add_argument("--manifest-signature", default=None)
+    ap.add_argument("--manifest-public-key", default=None)
 
 
 def add_sampling_flags(ap: argparse.ArgumentParser) -> None:
@@ -38,12 +41,17 @@ def add_sampling_flags(ap: argparse.ArgumentParser) -> None:
 def load_models(args):
     """Target (+ drafter unless NONE), width and verifier from the flags."""
     import torch
-    from .model.checkpoint import load_draft
+    from .model.checkpoint import CheckpointError, load_draft
     from .target.loading import load_target, resolve_dtype
 
     draft, width = None, 1
     if args.speculative_algorithm == "DFLASH":
         path = Path(args.speculative_draft_model_path or DEFAULT_DRAFT)
+        if args.verify_manifest:
+            from .integrity.manifest import verify_folder
+            if not verify_folder(path, args.verify_manifest, args.manifest_signature, args.manifest_public_key,
+                                 progress=False):
+                raise CheckpointError(f"{path}: refused, the files do not match {args.verify_manifest}")
         draft = load_draft(path, device=args.device, dtype=resolve_dtype(args.dtype, args.device))
         width = draft.config.block_size
         if args.speculative_num_draft_tokens is not None:
@@ -209,7 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0); p.add_argument("--output", required=True)
     p.set_defaults(fn=cmd_prepare_data)
     from .benchmark.cli import add_bench_parser
+    from .integrity.cli import add_integrity_parsers
     add_bench_parser(sub)
+    add_integrity_parsers(sub)
     return ap
 
 
