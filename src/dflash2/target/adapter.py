@@ -26,6 +26,7 @@ class TargetState:
     cache: DynamicCache
     length: int = 0                              # committed tokens in the cache
     snapshot: dict | None = field(default=None)  # recurrent state before the pending verify pass
+    pending: tuple | None = None                 # (ids, n) of the last forward, until commit
 
 
 def _decoder_layers(model) -> torch.nn.ModuleList:
@@ -124,7 +125,7 @@ class TargetModel:
                          use_cache=True, **{self._cache_kw: state.cache}, **self._keep_kw(logits_to_keep))
         feats = torch.cat([self._captured[i][0] for i in self.layer_ids], -1) if self.layer_ids else \
             torch.empty(L, 0, device=self.device)
-        self._pending = (input_ids.view(-1), L)
+        state.pending = (input_ids.view(-1), L)
         state.length += L
         return out.logits[0].float(), feats
 
@@ -134,7 +135,7 @@ class TargetModel:
     @torch.no_grad()
     def commit(self, state: TargetState, keep: int) -> None:
         """Keep the first ``keep`` of the tokens of the last :meth:`forward`; drop the rest."""
-        ids, L = self._pending
+        ids, L = state.pending
         drop = L - keep
         if drop <= 0:
             state.snapshot = None

@@ -1,0 +1,231 @@
+"""The serving engine: a queue, a scheduler, a model runner, and one batched speculative step.
+
+Each step: prefill newly admitted requests; then one batched draft forward, the selector for
+every row, one batched target verify forward, and per-request acceptance (each request keeps
+what it accepted; nothing crosses rows). The same engine runs the target alone (width 1).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..verification import block_verify, probs_from_logits, sample_from_probs, token_level_verify
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .request import Request, Status
+from .scheduler import Scheduler
+from .speculative import eos_ids, make_generator
+
+
+@dataclass
+class EngineConfig:
+    max_running_requests: int = 16
+    speculative: bool = True
+    num_draft_tokens: int = 5            # verification width, counting the current token
+    block_verification: bool = False
+    context_length: int = 2048
+    max_total_tokens: int = 65536        # KV pool size in tokens (CPU budget; on GPU set from mem fraction)
+    page_size: int = 16
+
+    def __post_init__(self):
+        if self.max_running_requests < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.speculative and self.num_draft_tokens < 2:
+            raise ValueError(f"--speculative-num-draft-tokens must be >= 2, got {self.num_draft_tokens}")
+        if self.context_length < 2:
+            raise ValueError(f"--context-length must be >= 2, got {self.context_length}")
+        if self.max_total_tokens < self.page_size:
+            raise ValueError(f"KV budget {self.max_total_tokens} tokens is smaller than one page")
+
+
+@dataclass
+class EngineStats:
+    completed: int = 0
+    generated_tokens: int = 0
+    verify_steps: int = 0                # per request per step, summed
+    accepted_by_position: list[int] = field(default_factory=list)
+    preemptions: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class LLMEngine:
+    def __init__(self, target, draft, cfg: EngineConfig):
+        self.cfg = cfg
+        self.target, self.draft = target, (draft if cfg.speculative else None)
+        self.width = cfg.num_draft_tokens if self.draft is not None else 1
+        self.bm = BlockManager(cfg.max_total_tokens // cfg.page_size, cfg.page_size)
+        self.scheduler = Scheduler(self.bm, cfg.max_running_requests, self.width)
+        self.runner = ModelRunner(target, self.draft, self.bm)
+        self.stats = EngineStats(accepted_by_position=[0] * max(self.width - 1, 0))
+        self.eos = eos_ids(target)
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self._aborts: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    # ---- API (any thread) -------------------------------------------------------------------
+    def add_request(self, req: Request) -> Request:
+        if len(req.prompt_ids) + 1 > self.cfg.context_length:
+            raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the context length is {self.cfg.context_length}")
+        if self.bm.blocks_for(len(req.prompt_ids) + self.width + 1) > self.bm.num_blocks:
+            raise ValueError(f"prompt of {len(req.prompt_ids)} tokens does not fit the KV pool")
+        req.generator = make_generator(req.sampling.seed)
+        req.accept_hist = [0] * self.width
+        with self.lock:
+            self.scheduler.add(req)
+        self.wake.set()
+        return req
+
+    def abort(self, request_id: str) -> None:
+        with self.lock:
+            self._aborts.add(request_id)
+        self.wake.set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="dflash2-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self.wake.set()
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop:
+            if not self.has_work():
+                self.wake.wait(0.05)
+                self.wake.clear()
+                continue
+            self.step()
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running or self._aborts)
+
+    def run_until_done(self) -> None:
+        while self.has_work():
+            self.step()
+
+    # ---- one step ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        with self.lock:
+            for rid in list(self._aborts):
+                for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    if req.request_id == rid:
+                        self._finish(req, "abort")
+            self._aborts.clear()
+            admitted = self.scheduler.admit()
+        for req in admitted:
+            self._prefill(req)
+        with self.lock:
+            preempted = self.scheduler.reserve_step()
+        for req in preempted:
+            self.runner.release(req)
+            self.stats.preemptions += 1
+        reqs = [r for r in self.scheduler.running if not r.finished]
+        if not reqs:
+            if self.scheduler.waiting and not self.scheduler.running:
+                req = self.scheduler.waiting[0]  # nothing running and still no room: it can never fit
+                with self.lock:
+                    self._finish(req, "error", "request does not fit the KV pool")
+            return
+        try:
+            self._spec_step(reqs)
+        except Exception as e:  # a failing batch must not take the server down
+            for r in reqs:
+                self._finish(r, "error", f"{type(e).__name__}: {e}")
+
+    def _prefill(self, req: Request) -> None:
+        try:
+            logits = self.runner.prefill(req)
+        except Exception as e:
+            with self.lock:
+                self._finish(req, "error", f"prefill failed: {type(e).__name__}: {e}")
+            return
+        if not req.output_ids:  # a new request: its first token comes from the prefill
+            sp = req.sampling
+            p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+            tok = int(sample_from_probs(p, torch.rand((), generator=req.generator).to(p.device)))
+            req.first_token_at = time.perf_counter()
+            self._append(req, [tok])
+
+    def _spec_step(self, reqs: list[Request]) -> None:
+        B, g, device = len(reqs), self.width - 1, self.target.device
+        temp = torch.tensor([r.sampling.temperature for r in reqs], device=device)
+        top_k = torch.tensor([r.sampling.top_k for r in reqs], device=device)
+        top_p = torch.tensor([r.sampling.top_p for r in reqs], device=device)
+        min_p = torch.tensor([r.sampling.min_p for r in reqs], device=device)
+        anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=device)
+        if g:
+            out, _ = self.runner.draft_logits(reqs, self.width)
+            sel_u = torch.stack([torch.rand(g, generator=r.generator) for r in reqs]).to(device)
+            sel = self.draft.candidate_selector.walk(out.logits, out.hidden, anchors, temp, sel_u, top_k, top_p, min_p)
+            drafts, q_draft = sel.tokens, sel.dense_q(self.target.lm_head_weight.shape[0])
+        else:
+            drafts = torch.empty(B, 0, dtype=torch.long, device=device)
+            q_draft = torch.empty(B, 0, self.target.lm_head_weight.shape[0], device=device)
+        blocks = torch.cat([anchors[:, None], drafts], dim=1)
+        logits, feats, handle = self.runner.verify(reqs, blocks)
+        p_target = probs_from_logits(logits, temp, top_k, top_p, min_p)
+        acc_u = torch.stack([torch.rand(g, generator=r.generator) for r in reqs]).to(device)
+        emit_u = torch.stack([torch.rand((), generator=r.generator) for r in reqs]).to(device)
+        verify = block_verify if self.cfg.block_verification else token_level_verify
+        res = verify(drafts, q_draft, p_target, acc_u, emit_u)
+        keep = (res.num_accepted + 1).tolist()
+        self.runner.commit(reqs, handle, keep)
+        for b, r in enumerate(reqs):
+            if self.draft is not None:
+                start = r.num_committed - keep[b]
+                r.draft_cache.append(self.draft, feats[b, :keep[b]], torch.arange(start, start + keep[b], device=feats.device))
+            n = keep[b] - 1
+            r.verify_steps += 1
+            r.accept_hist[n] += 1
+            self.stats.verify_steps += 1
+            for i in range(n):
+                self.stats.accepted_by_position[i] += 1
+            self._append(r, res.row(b))
+
+    # ---- tokens and stopping ------------------------------------------------------------------
+    def _append(self, req: Request, tokens: list[int]) -> None:
+        sp, new = req.sampling, []
+        reason = None
+        for tok in tokens:
+            req.output_ids.append(tok)
+            new.append(tok)
+            if (tok in self.eos and not sp.ignore_eos) or tok in sp.stop_token_ids:
+                reason = "stop"
+            elif len(req.output_ids) >= sp.max_new_tokens or len(req.all_ids) >= self.cfg.context_length:
+                reason = "length"
+            elif req.stop_strings and self._hits_stop_string(req):
+                reason = "stop"
+            if reason:
+                break
+        self.stats.generated_tokens += len(new)
+        if reason:
+            with self.lock:
+                self._finish(req, reason, notify=False)
+        if req.on_update:
+            req.on_update(req, new)
+
+    def _hits_stop_string(self, req: Request) -> bool:
+        tail = self.target.tokenizer.decode(req.output_ids[-32:], skip_special_tokens=True)
+        return any(s in tail for s in req.stop_strings)
+
+    def _finish(self, req: Request, reason: str, error: str | None = None, notify: bool = True) -> None:
+        if req.finished:
+            return
+        self.scheduler.finish(req)
+        self.runner.release(req)
+        req.finish_reason, req.error, req.finished_at = reason, error, time.perf_counter()
+        self.stats.completed += 1
+        if notify and req.on_update:
+            req.on_update(req, [])
+
+    # ---- introspection ------------------------------------------------------------------------
+    def pool_usage(self) -> tuple[int, int]:
+        return self.bm.num_blocks - self.bm.num_free, self.bm.num_blocks

@@ -1,0 +1,129 @@
+"""Owns the forward passes: prefill, batched target verify over a paged KV pool, batched draft.
+
+Target KV lives in a pool of fixed-size blocks (``[num_blocks, kv_heads, block_size, head_dim]``
+per layer for K and V); a verify step gathers each request's blocks into one left-padded batch
+cache, runs one forward for all requests, and only the accepted rows are written back, so a
+rejection needs no rollback. Targets whose cache is not plain per-layer K/V (hybrid linear
+attention / state space, sliding windows) run one request at a time through the target
+adapter, each with its own cache and recurrent-state snapshots. Static buffers and CUDA graphs
+per batch size would go here, behind the same three methods.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from ..model.context_cache import DraftContextCache, draft_block
+from ..target import TargetModel
+from .block_manager import BlockManager
+from .request import Request
+
+
+class ModelRunner:
+    def __init__(self, target: TargetModel, draft, block_manager: BlockManager):
+        self.target, self.draft, self.bm = target, draft, block_manager
+        self.paged = not target.is_hybrid and not getattr(target.config, "sliding_window", None)
+        self.k_pool: list[torch.Tensor] = []
+        self.v_pool: list[torch.Tensor] = []
+
+    # ---- pool ---------------------------------------------------------------------------------
+    def _ensure_pool(self, cache: DynamicCache) -> None:
+        if self.k_pool:
+            return
+        bs = self.bm.block_size
+        for layer in cache.layers:
+            k, v = layer.keys, layer.values  # [1, h, T, d]
+            self.k_pool.append(torch.zeros(self.bm.num_blocks, k.shape[1], bs, k.shape[3], dtype=k.dtype, device=k.device))
+            self.v_pool.append(torch.zeros(self.bm.num_blocks, v.shape[1], bs, v.shape[3], dtype=v.dtype, device=v.device))
+
+    def _slots(self, req: Request, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, start + n)
+        table = torch.tensor(req.block_table, dtype=torch.long)
+        return table[pos // self.bm.block_size], pos % self.bm.block_size
+
+    def _write(self, req: Request, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> None:
+        """Rows ``[h, n, d]`` per layer into ``req``'s blocks from token ``start``."""
+        n = layer_kv[0][0].shape[1]
+        blk, off = self._slots(req, start, n)
+        for l, (k, v) in enumerate(layer_kv):
+            self.k_pool[l][blk, :, off] = k.transpose(0, 1)
+            self.v_pool[l][blk, :, off] = v.transpose(0, 1)
+
+    def _gather(self, req: Request, l: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blk, off = self._slots(req, 0, req.num_committed)
+        return self.k_pool[l][blk, :, off].transpose(0, 1), self.v_pool[l][blk, :, off].transpose(0, 1)
+
+    # ---- prefill ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, req: Request) -> torch.Tensor:
+        """KV for ``all_ids[:-1]`` (or the whole prompt for a new request) into the pool, draft
+        context built; returns the last row's logits (used only for a new request)."""
+        ids = req.prompt_ids if not req.output_ids else req.all_ids[:-1]
+        t = self.target
+        state = t.new_state()
+        logits, feats = t.forward(state, torch.tensor(ids), logits_to_keep=1)
+        t.commit(state, len(ids))
+        if self.paged:
+            self._ensure_pool(state.cache)
+            self._write(req, [(layer.keys[0], layer.values[0]) for layer in state.cache.layers], 0)
+        else:
+            req.target_state = state
+        req.num_committed = len(ids)
+        if self.draft is not None:
+            req.draft_cache = DraftContextCache(self.draft)
+            req.draft_cache.append(self.draft, feats, torch.arange(len(ids), device=feats.device))
+        return logits[-1]
+
+    # ---- verify -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def verify(self, reqs: list[Request], blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """One target forward over ``blocks [B, k]``; returns logits ``[B, k, V]``, features
+        ``[B, k, K*H]`` and a handle for :meth:`commit`."""
+        t = self.target
+        if not self.paged:
+            outs = [t.forward(r.target_state, blocks[i]) for i, r in enumerate(reqs)]
+            return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs]), None
+        B, k = blocks.shape
+        lens = [r.num_committed for r in reqs]
+        L = max(lens)
+        cache = DynamicCache()
+        for l in range(len(self.k_pool)):
+            h, d = self.k_pool[l].shape[1], self.k_pool[l].shape[3]
+            K = self.k_pool[l].new_zeros(B, h, L, d)
+            Vv = self.v_pool[l].new_zeros(B, self.v_pool[l].shape[1], L, self.v_pool[l].shape[3])
+            for b, r in enumerate(reqs):
+                kk, vv = self._gather(r, l)
+                K[b, :, L - lens[b]:], Vv[b, :, L - lens[b]:] = kk, vv
+            cache.update(K, Vv, l)
+        mask = torch.zeros(B, L + k, dtype=torch.long, device=t.device)
+        for b, n in enumerate(lens):
+            mask[b, L - n:] = 1
+        pos = torch.tensor(lens, device=t.device)[:, None] + torch.arange(k, device=t.device)
+        t._captured.clear()
+        out = t.model(input_ids=blocks.to(t.device), attention_mask=mask, position_ids=pos, use_cache=True,
+                      **{t._cache_kw: cache})
+        feats = torch.cat([t._captured[i] for i in t.layer_ids], -1) if t.layer_ids else torch.empty(B, k, 0)
+        new_kv = [(layer.keys[:, :, L:], layer.values[:, :, L:]) for layer in cache.layers]
+        return out.logits.float(), feats, new_kv
+
+    def commit(self, reqs: list[Request], handle, keep: list[int]) -> None:
+        """Keep the first ``keep[b]`` verified rows of each request."""
+        for b, r in enumerate(reqs):
+            if self.paged:
+                self._write(r, [(k[b, :, :keep[b]], v[b, :, :keep[b]]) for k, v in handle], r.num_committed)
+            else:
+                self.target.commit(r.target_state, keep[b])
+            r.num_committed += keep[b]
+
+    # ---- draft --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def draft_logits(self, reqs: list[Request], width: int):
+        device = self.target.device
+        anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=device)
+        pos = torch.tensor([r.num_committed for r in reqs], device=device)
+        return draft_block(self.draft, [r.draft_cache for r in reqs], anchors, pos, width,
+                           self.target.embed, self.target.lm_head_weight), anchors
+
+    def release(self, req: Request) -> None:
+        req.draft_cache = None
+        req.target_state = None

@@ -1,0 +1,56 @@
+"""Typed requests for the serving engine."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..verification import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop_strings: tuple[str, ...] = ()
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    on_update: Callable[["Request", list[int]], Any] | None = None  # called from the engine thread
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None        # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    verify_steps: int = 0
+    accept_hist: list[int] = field(default_factory=list)
+    num_committed: int = 0                  # tokens whose KV is in the pool (all but the pending anchor)
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    generator: torch.Generator | None = None
+    draft_cache: Any = None
+    target_state: Any = None                # per-request target state (hybrid targets)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def accept_length(self) -> float:
+        return len(self.output_ids) / max(self.verify_steps, 1)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

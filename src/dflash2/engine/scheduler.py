@@ -1,0 +1,62 @@
+"""Continuous batching: admit waiting requests as others finish, preempt the newest when the
+KV pool runs out (recompute preemption: it is requeued and re-prefilled later)."""
+from __future__ import annotations
+
+from collections import deque
+
+from .block_manager import BlockManager
+from .request import Request, Status
+
+
+class Scheduler:
+    def __init__(self, bm: BlockManager, max_running: int, width: int):
+        self.bm, self.max_running, self.width = bm, max_running, width
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def admit(self) -> list[Request]:
+        """Requests to prefill now (their blocks are reserved for the prefill plus one step)."""
+        admitted = []
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            need = len(req.all_ids) + self.width
+            if not self.bm.can_grow(req, need):
+                break
+            self.waiting.popleft()
+            self.bm.grow(req, need)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+        return admitted
+
+    def reserve_step(self) -> list[Request]:
+        """Blocks for one verify step of every running request; preempts the newest as needed.
+        Returns the preempted requests."""
+        preempted = []
+        for req in list(self.running):
+            if req not in self.running:
+                continue
+            while not self.bm.can_grow(req, req.num_committed + self.width):
+                victim = self.running[-1]
+                self.running.remove(victim)
+                self.bm.release(victim)
+                victim.status = Status.WAITING
+                victim.num_preemptions += 1
+                self.waiting.appendleft(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req in self.running:
+                self.bm.grow(req, req.num_committed + self.width)
+        return preempted
+
+    def finish(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.bm.release(req)
+        req.status = Status.FINISHED
