@@ -220,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .integrity.cli import add_integrity_parsers
     add_bench_parser(sub)
     add_integrity_parsers(sub)
+    from .server.launch import add_serve_parser
+    add_serve_parser(sub)
     return ap
 
 

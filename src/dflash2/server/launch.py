@@ -1,0 +1,83 @@
+"""``dflash2 serve``: flags named and meaning as in SGLang (spec section 6)."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def add_serve_parser(sub) -> None:
+    from ..cli import add_model_flags
+    p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
+    add_model_flags(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--max-running-requests", type=int, default=16)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (CPU default 65536)")
+    p.add_argument("--mem-fraction-static", type=float, default=0.8)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--speculative-draft-kv-cache-dtype", default="auto")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--reasoning-parser", default=None)
+    p.add_argument("--tool-call-parser", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.set_defaults(fn=cmd_serve)
+
+
+def check_flags(args) -> None:
+    """Unsupported values are a clear start-up error."""
+    if args.kv_cache_dtype != "auto" or args.speculative_draft_kv_cache_dtype != "auto":
+        raise SystemExit("--kv-cache-dtype / --speculative-draft-kv-cache-dtype: only 'auto' is supported so far "
+                         "(fp8_e4m3 KV caches are not implemented)")
+    if args.tp_size != 1:
+        raise SystemExit(f"--tp-size {args.tp_size}: tensor parallelism is not implemented; use --tp-size 1")
+    if args.reasoning_parser not in (None, "deepseek-r1", "qwen3", "kimi", "kimi_k2"):
+        raise SystemExit(f"--reasoning-parser {args.reasoning_parser!r}: supported: deepseek-r1, qwen3, kimi, kimi_k2")
+    if args.tool_call_parser not in (None, "hermes", "kimi_k2", "qwen", "qwen25"):
+        raise SystemExit(f"--tool-call-parser {args.tool_call_parser!r}: supported: hermes (qwen, qwen25), kimi_k2")
+    if not 0 < args.mem_fraction_static <= 1:
+        raise SystemExit(f"--mem-fraction-static must be in (0, 1], got {args.mem_fraction_static}")
+    if args.max_running_requests < 1:
+        raise SystemExit(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
+
+
+def kv_budget_tokens(args, target) -> int:
+    if args.max_total_tokens:
+        return args.max_total_tokens
+    if args.device != "cuda":
+        return 65536
+    import torch
+    free, _ = torch.cuda.mem_get_info()
+    cfg = target.config
+    kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * target.dtype.itemsize
+    return int(free * args.mem_fraction_static / per_token)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from ..cli import load_models
+    from ..engine.engine import EngineConfig, LLMEngine
+    from .app import create_app
+
+    check_flags(args)
+    target, draft, width = load_models(args)
+    ctx = args.context_length or int(getattr(target.config, "max_position_embeddings", 2048))
+    cfg = EngineConfig(max_running_requests=args.max_running_requests, speculative=draft is not None,
+                       num_draft_tokens=width if draft is not None else 2,
+                       block_verification=args.speculative_use_block_verification, context_length=ctx,
+                       max_total_tokens=kv_budget_tokens(args, target), page_size=args.page_size)
+    engine = LLMEngine(target, draft, cfg)
+    engine.start()
+    name = args.served_model_name or (args.model_path or "SmolLM2-135M-Instruct")
+    parser = {"qwen": "hermes", "qwen25": "hermes"}.get(args.tool_call_parser, args.tool_call_parser)
+    app = create_app(engine, target.tokenizer, name, ctx, args.reasoning_parser, parser)
+    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    print(f"dflash2 serving {name} on http://{args.host}:{args.port} (width {engine.width}, "
+          f"{cfg.max_total_tokens} KV tokens, max {cfg.max_running_requests} running)", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    engine.shutdown()
+    return 0

@@ -1,0 +1,39 @@
+"""``GET /metrics`` in Prometheus text format (prometheus_client), read from the engine at scrape time."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class _EngineCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        e, s = self.engine, self.engine.stats
+        yield GaugeMetricFamily("dflash2_num_running_reqs", "Requests running", value=len(e.scheduler.running))
+        yield GaugeMetricFamily("dflash2_num_waiting_reqs", "Requests waiting", value=len(e.scheduler.waiting))
+        yield CounterMetricFamily("dflash2_generation_tokens", "Tokens generated", value=s.generated_tokens)
+        yield CounterMetricFamily("dflash2_requests_completed", "Requests completed", value=s.completed)
+        yield CounterMetricFamily("dflash2_spec_verify_steps", "Verification steps (one per request per step)",
+                                  value=s.verify_steps)
+        yield CounterMetricFamily("dflash2_preemptions", "Requests preempted", value=s.preemptions)
+        pos = CounterMetricFamily("dflash2_spec_accepted_tokens", "Draft tokens accepted, by position", labels=["position"])
+        for i, n in enumerate(s.accepted_by_position):
+            pos.add_metric([str(i + 1)], n)
+        yield pos
+        yield GaugeMetricFamily("dflash2_spec_accept_length", "Generated tokens per verification step",
+                                value=s.generated_tokens / s.verify_steps if s.verify_steps else 0.0)
+        yield GaugeMetricFamily("dflash2_gen_throughput", "Generated tokens per second since start",
+                                value=s.generated_tokens / max(time.perf_counter() - s.started, 1e-9))
+        used, total = e.pool_usage()
+        yield GaugeMetricFamily("dflash2_kv_blocks_used", "KV pool blocks in use", value=used)
+        yield GaugeMetricFamily("dflash2_kv_blocks_total", "KV pool blocks", value=total)
+
+
+def render_metrics(engine) -> str:
+    reg = CollectorRegistry()
+    reg.register(_EngineCollector(engine))
+    return generate_latest(reg).decode()
