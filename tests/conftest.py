@@ -23,3 +23,6 @@ def seed():
     torch.manual_seed(s)
     print(f"seed={s}")
     return s
+
+
+from test_server import models  # noqa: E402,F401  (module-scoped fixture shared with test_bench)

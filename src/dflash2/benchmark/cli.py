@@ -19,6 +19,8 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--verifiers", default="token,block")
     s.add_argument("--output", default=None)
     s.set_defaults(fn=cmd_speed)
+    from .acceptance_cli import add_acceptance_parser
+    add_acceptance_parser(bsub)
 
 
 def cmd_speed(args) -> int:

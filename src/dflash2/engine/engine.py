@@ -48,6 +48,10 @@ class EngineStats:
     verify_steps: int = 0                # per request per step, summed
     accepted_by_position: list[int] = field(default_factory=list)
     preemptions: int = 0
+    steps: int = 0                       # batched steps
+    draft_s: float = 0.0                 # time in draft forward + selector
+    verify_s: float = 0.0                # time in the target verify forward
+    step_s: float = 0.0                  # whole batched steps (prefills excluded)
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -155,6 +159,7 @@ class LLMEngine:
             self._append(req, [tok])
 
     def _spec_step(self, reqs: list[Request]) -> None:
+        t0 = time.perf_counter()
         B, g, device = len(reqs), self.width - 1, self.target.device
         temp = torch.tensor([r.sampling.temperature for r in reqs], device=device)
         top_k = torch.tensor([r.sampling.top_k for r in reqs], device=device)
@@ -170,7 +175,11 @@ class LLMEngine:
             drafts = torch.empty(B, 0, dtype=torch.long, device=device)
             q_draft = torch.empty(B, 0, self.target.lm_head_weight.shape[0], device=device)
         blocks = torch.cat([anchors[:, None], drafts], dim=1)
+        t1 = time.perf_counter()
         logits, feats, handle = self.runner.verify(reqs, blocks)
+        if logits.is_cuda:
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
         p_target = probs_from_logits(logits, temp, top_k, top_p, min_p)
         acc_u = torch.stack([torch.rand(g, generator=r.generator) for r in reqs]).to(device)
         emit_u = torch.stack([torch.rand((), generator=r.generator) for r in reqs]).to(device)
@@ -189,6 +198,11 @@ class LLMEngine:
             for i in range(n):
                 self.stats.accepted_by_position[i] += 1
             self._append(r, res.row(b))
+        s = self.stats
+        s.steps += 1
+        s.draft_s += t1 - t0
+        s.verify_s += t2 - t1
+        s.step_s += time.perf_counter() - t0
 
     # ---- tokens and stopping ------------------------------------------------------------------
     def _append(self, req: Request, tokens: list[int]) -> None:

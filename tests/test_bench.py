@@ -1,0 +1,53 @@
+"""Acceptance metrics, GPQA shuffling, and the acceptance benchmark against a live server."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dflash2.benchmark.metrics import aggregate, per_position
+from dflash2.benchmark.suites import gpqa_shuffle
+
+
+def test_aggregates_match_definitions():
+    C, V = [10, 30, 5], [5, 10, 5]
+    r = aggregate(C, V)
+    L = [2.0, 3.0, 1.0]
+    assert r["samples"] == 3
+    assert r["acc_len"] == pytest.approx(sum(L) / 3)
+    assert r["weighted_al"] == pytest.approx((10 * 2 + 30 * 3 + 5 * 1) / 45)
+    assert r["pooled_al"] == pytest.approx(45 / 20)
+    assert per_position([2, 3, 5]) == pytest.approx([0.8, 0.5])
+
+
+def test_gpqa_shuffle_deterministic_and_keeps_answer():
+    q, right, wrong = "Which is heavier?", "lead", ["air", "foam", "paper"]
+    p1, l1 = gpqa_shuffle(q, right, wrong, seed=0, index=3)
+    p2, l2 = gpqa_shuffle(q, right, wrong, seed=0, index=3)
+    assert (p1, l1) == (p2, l2)
+    assert f"{l1}) lead" in p1
+    letters = {gpqa_shuffle(q, right, wrong, seed=0, index=i)[1] for i in range(40)}
+    assert len(letters) > 1  # shuffled per question
+    assert "Answer: $LETTER" in p1
+
+
+def test_acceptance_bench_against_live_server(tmp_path, models):
+    from test_server import REPO, _start
+    root = models[0]
+    proc, url = _start(root, "--max-running-requests", "4")
+    try:
+        data = tmp_path / "g.jsonl"
+        data.write_text("\n".join(json.dumps({"question": f"What is {i} + {i}?", "answer": "x"}) for i in range(6)))
+        out = tmp_path / "res.json"
+        p = subprocess.run([sys.executable, "-m", "dflash2.cli", "bench", "acceptance", "--base-url", url,
+                            "--tokenizer-path", str(root / "target"), "--dataset", "gsm8k", "--gsm8k-path", str(data),
+                            "--max-tokens", "16", "--num-workers", "3", "--output", str(out), "--plot",
+                            str(tmp_path / "al.png")], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        res = json.loads(out.read_text())["gsm8k"]
+        assert res["samples"] == 6 and len(res["C"]) == 6 and len(res["V"]) == 6
+        assert {"acc_len", "weighted_al", "pooled_al"} <= set(res)
+        assert res["pooled_al"] == pytest.approx(sum(res["C"]) / sum(res["V"]))
+        assert "gsm8k" in p.stdout and (tmp_path / "al.png").stat().st_size > 1000
+    finally:
+        proc.terminate(); proc.wait(10)
