@@ -51,3 +51,22 @@ def test_acceptance_bench_against_live_server(tmp_path, models):
         assert "gsm8k" in p.stdout and (tmp_path / "al.png").stat().st_size > 1000
     finally:
         proc.terminate(); proc.wait(10)
+
+
+def test_engine_speed_rows(tmp_path):
+    import torch
+    from targets import build
+    from test_speculative import random_draft
+    from dflash2.benchmark.engine_speed import measure, save, table
+    from dflash2.target import TargetModel
+    t = TargetModel(build("llama"), layer_ids=[0, 2])
+    draft = random_draft(t).draft
+    ids = [torch.randint(3, 96, (6,)).tolist() for _ in range(3)]
+    rows = [measure(t, None, ids, 1, False, 2, 8, 0.0, "target")]
+    for c in (1, 2):
+        r = measure(t, draft, ids, 5, True, c, 8, 0.0, "dflash2 w=5 block")
+        r.speedup = r.tokens_per_s / rows[0].tokens_per_s
+        rows.append(r)
+    assert all(r.output_tokens == 3 * 8 for r in rows[1:]) and rows[1].verify_ms_per_step > 0
+    save(rows, tmp_path / "s.json", tmp_path / "s.png")
+    assert "dflash2 w=5 block" in table(rows) and (tmp_path / "s.png").stat().st_size > 1000

@@ -1,20 +1,12 @@
 """Acceptance-length benchmark in process (the card's evaluation, spec section 5)."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from tqdm import tqdm
 
 from ..engine import DFlashProposer, speculative_generate
-from ..training.data import GSM8K_SUFFIX, render
+from ..training.data import gsm8k_prompts, render  # noqa: F401 (re-exported)
 from ..verification import SamplingParams
 from .metrics import aggregate, per_position
-
-
-def gsm8k_prompts(path, limit=None) -> list[str]:
-    rows = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()][:limit]
-    return [f"{r['question']}\n{GSM8K_SUFFIX}" for r in rows]
 
 
 def run_suite(target, draft, prompts: list[str], width: int, verify: str | None, temperature: float,

@@ -17,7 +17,12 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--widths", default="5,8")
     s.add_argument("--temperatures", default="0,1")
     s.add_argument("--verifiers", default="token,block")
+    s.add_argument("--concurrency", default=None,
+                   help="e.g. 1,8,32,64: measure through the serving engine at these concurrencies "
+                        "(else batch 1 through the single-request loop)")
+    s.add_argument("--temperature", type=float, default=0.0, help="with --concurrency")
     s.add_argument("--output", default=None)
+    s.add_argument("--plot", default=None, help="PNG of speedup against concurrency")
     s.set_defaults(fn=cmd_speed)
     from .acceptance_cli import add_acceptance_parser
     add_acceptance_parser(bsub)
@@ -29,6 +34,14 @@ def cmd_speed(args) -> int:
 
     target, draft, _ = load_models(args)
     prompts = gsm8k_test_prompts(args.gsm8k_path, args.limit)
+    if args.concurrency:
+        from . import engine_speed
+        rows = engine_speed.run(target, draft, prompts, [int(w) for w in args.widths.split(",")],
+                                args.verifiers.split(","), [int(c) for c in args.concurrency.split(",")],
+                                args.max_new_tokens, args.temperature)
+        print(engine_speed.table(rows))
+        engine_speed.save(rows, args.output, args.plot)
+        return 0
     rows = side_by_side(target, draft, prompts, widths=[int(w) for w in args.widths.split(",")],
                         temperatures=[float(t) for t in args.temperatures.split(",")],
                         max_new_tokens=args.max_new_tokens, verifies=tuple(args.verifiers.split(",")))

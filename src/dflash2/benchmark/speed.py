@@ -9,7 +9,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..engine import DFlashProposer, speculative_generate
-from ..training.data import GSM8K_SUFFIX, render
+from ..training.data import gsm8k_prompts, render
 from ..verification import SamplingParams
 
 
@@ -30,8 +30,7 @@ class SpeedRow:
 
 
 def gsm8k_test_prompts(path: str | Path, n: int) -> list[str]:
-    rows = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()][:n]
-    return [f"{r['question']}\n{GSM8K_SUFFIX}" for r in rows]
+    return gsm8k_prompts(path, n)
 
 
 def run_config(target, draft, prompt_ids, name, width, verify, sampling_kw, max_new_tokens, seed=0) -> SpeedRow:

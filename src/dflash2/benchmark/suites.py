@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..training.data import GSM8K_SUFFIX
+from ..training.data import GSM8K_SUFFIX, gsm8k_prompts
 
 GPQA_TEMPLATE = (
     "Answer the following multiple choice question. The last line of your response should be of the following "
@@ -36,8 +36,7 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 def gsm8k(path=None, limit=None) -> list[Item]:
-    rows = _jsonl(path or package_data("gsm8k/test.jsonl"))[:limit]
-    return [Item("gsm8k", f"{r['question']}\n{GSM8K_SUFFIX}", i) for i, r in enumerate(rows)]
+    return [Item("gsm8k", p, i) for i, p in enumerate(gsm8k_prompts(path or package_data("gsm8k/test.jsonl"), limit))]
 
 
 def aime(path=None, limit=None, repeats: int = 8) -> list[Item]:

@@ -28,14 +28,22 @@ def error_body(message: str, type_: str, param=None, code=None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def trim_stop(text: str, req: Request) -> str:
+    for s in req.stop_strings:
+        i = text.find(s)
+        if i >= 0:
+            text = text[:i]
+    return text
+
+
 class Detokenizer:
-    """Incremental text of a token list; holds back an incomplete UTF-8 character."""
+    """Incremental text of a request's output; holds back an incomplete UTF-8 character."""
 
     def __init__(self, tokenizer, skip_special: bool = True):
         self.tok, self.skip, self.sent = tokenizer, skip_special, ""
 
-    def delta(self, ids: list[int], final: bool = False) -> str:
-        text = self.tok.decode(ids, skip_special_tokens=self.skip)
+    def delta(self, req: Request, final: bool = False) -> str:
+        text = trim_stop(self.tok.decode(req.output_ids, skip_special_tokens=self.skip), req)
         if not final and text.endswith("\ufffd"):
             return ""
         out, self.sent = text[len(self.sent):], text
@@ -90,57 +98,43 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str, context_length: in
             raise APIError(400, str(e), code="context_length_exceeded") from None
         return queue
 
-    def trim_stop(text: str, req: Request) -> str:
-        for s in req.stop_strings:
-            i = text.find(s)
-            if i >= 0:
-                text = text[:i]
-        return text
-
     def usage(req: Request) -> dict:
         return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
                 "total_tokens": len(req.prompt_ids) + len(req.output_ids), "spec_verify_ct": req.verify_steps,
                 "spec_accept_length": round(req.accept_length, 4)}
 
-    async def run_to_end(req: Request, http: HTTPRequest) -> Request:
+    async def updates(req: Request, http: HTTPRequest):
+        """Yield ``finished`` after every engine update; abort the request if the client goes away."""
         queue = await submit(req)
-        while True:
-            try:
-                _, done = await asyncio.wait_for(queue.get(), timeout=1.0)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    engine.abort(req.request_id)
-                    raise APIError(499, "client disconnected")
-                continue
-            if done:
-                break
-        if req.finish_reason == "error":
-            raise APIError(500, f"generation failed: {req.error}", "server_error")
-        return req
-
-    async def stream_tokens(req: Request, http: HTTPRequest):
-        """Yield (text delta, finished) until the request ends; aborts it if the client goes away."""
-        queue = await submit(req)
-        detok = Detokenizer(tokenizer, skip_special=tool_call_parser != "kimi_k2")
         try:
             while True:
                 try:
                     _, done = await asyncio.wait_for(queue.get(), timeout=1.0)
                 except asyncio.TimeoutError:
                     if await http.is_disconnected():
-                        engine.abort(req.request_id)
                         return
                     continue
-                full = trim_stop(tokenizer.decode(req.output_ids, skip_special_tokens=detok.skip), req)
-                delta = full[len(detok.sent):] if (done or not full.endswith("\ufffd")) else ""
-                if delta:
-                    detok.sent = full
-                yield delta, done
+                yield done
                 if done:
                     return
         finally:
             if not req.finished:
-                engine.abort(req.request_id)
+                engine.abort(req.request_id)  # frees its KV blocks at the next step
+
+    async def run_to_end(req: Request, http: HTTPRequest) -> Request:
+        async for _ in updates(req, http):
+            pass
+        if not req.finished:
+            raise APIError(499, "client disconnected")
+        if req.finish_reason == "error":
+            raise APIError(500, f"generation failed: {req.error}", "server_error")
+        return req
+
+    async def stream_tokens(req: Request, http: HTTPRequest):
+        """Yield (text delta, finished) until the request ends."""
+        detok = Detokenizer(tokenizer, skip_special=tool_call_parser != "kimi_k2")
+        async for done in updates(req, http):
+            yield detok.delta(req, final=done), done
 
     def finish_reason(req: Request, tool_calls: bool = False) -> str:
         return "tool_calls" if tool_calls else ("length" if req.finish_reason == "length" else "stop")
