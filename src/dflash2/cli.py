@@ -10,8 +10,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DRAFT = REPO / "models" / "smollm2-135m-dflash2"
-DEMO_QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-                 "How many clips did Natalia sell altogether in April and May?")
+DEMO_QUESTION = ("A baker makes 24 muffins in the morning and 18 muffins in the afternoon. She sells 30 muffins "
+                 "and gives 5 to her neighbour. How many muffins does she have left?")  # not from GSM8K
 
 
 def add_model_flags(ap: argparse.ArgumentParser) -> None:
