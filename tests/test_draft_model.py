@@ -311,3 +311,12 @@ def test_config_precedence_and_unknown_keys():
     del raw["hidden_size"]
     with pytest.raises(ConfigError, match="hidden_size"):
         DFlash2Config.from_dict(raw)
+
+
+def test_logits_multiplier_and_softcap(seed):
+    cfg = tiny_config(output_multiplier=0.5, final_logit_softcapping=3.0)
+    model = DFlash2DraftModel(cfg).init_weights()
+    h, W = torch.randn(2, 4, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size)
+    raw = (h @ W.T) * 0.5
+    torch.testing.assert_close(model.compute_logits(h, W), 3.0 * torch.tanh(raw / 3.0), rtol=1e-5, atol=1e-5)
+    assert model.compute_logits(h, W).abs().max() < 3.0
