@@ -40,9 +40,8 @@ class GenerationResult:
 
     def per_position_acceptance(self) -> list[float]:
         """Fraction of steps whose draft position i (1-based) was accepted."""
-        steps = max(sum(self.accept_hist), 1)
-        g = len(self.accept_hist) - 1
-        return [sum(self.accept_hist[i:]) / steps for i in range(1, g + 1)]
+        from ..benchmark.metrics import per_position
+        return per_position(self.accept_hist)
 
 
 def eos_ids(target: TargetModel) -> set[int]:
