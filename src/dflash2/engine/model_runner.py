@@ -49,9 +49,6 @@ class ModelRunner:
             self.k_pool[l][blk, :, off] = k.transpose(0, 1)
             self.v_pool[l][blk, :, off] = v.transpose(0, 1)
 
-    def _gather(self, req: Request, l: int) -> tuple[torch.Tensor, torch.Tensor]:
-        blk, off = self._slots(req, 0, req.num_committed)
-        return self.k_pool[l][blk, :, off].transpose(0, 1), self.v_pool[l][blk, :, off].transpose(0, 1)
 
     # ---- prefill ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -86,14 +83,15 @@ class ModelRunner:
         B, k = blocks.shape
         lens = [r.num_committed for r in reqs]
         L = max(lens)
+        slots = [self._slots(r, 0, n) for r, n in zip(reqs, lens)]  # once per request, not per layer
         cache = DynamicCache()
         for l in range(len(self.k_pool)):
             h, d = self.k_pool[l].shape[1], self.k_pool[l].shape[3]
             K = self.k_pool[l].new_zeros(B, h, L, d)
             Vv = self.v_pool[l].new_zeros(B, self.v_pool[l].shape[1], L, self.v_pool[l].shape[3])
-            for b, r in enumerate(reqs):
-                kk, vv = self._gather(r, l)
-                K[b, :, L - lens[b]:], Vv[b, :, L - lens[b]:] = kk, vv
+            for b, (blk, off) in enumerate(slots):
+                K[b, :, L - lens[b]:] = self.k_pool[l][blk, :, off].transpose(0, 1)
+                Vv[b, :, L - lens[b]:] = self.v_pool[l][blk, :, off].transpose(0, 1)
             cache.update(K, Vv, l)
         mask = torch.zeros(B, L + k, dtype=torch.long, device=t.device)
         for b, n in enumerate(lens):
