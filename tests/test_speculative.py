@@ -67,11 +67,13 @@ def test_full_block_and_rollback_exercised():
     assert r.accept_hist[4] > 0 and sum(r.accept_hist[:4]) > 0
 
 
-def test_hybrid_rollback_matches_fresh_target():
+@pytest.mark.parametrize("per_position", [True, False], ids=["per-position", "snapshot-replay"])
+def test_hybrid_rollback_matches_fresh_target(per_position):
     """After a mid-block rejection, the next step equals a fresh target fed the committed tokens."""
     model = build("kimi_linear")
     t = TargetModel(model, layer_ids=[0, 2])
-    assert t.is_hybrid
+    assert t.is_hybrid and t.per_position_states
+    t.per_position_states = per_position
     ids = torch.randint(3, VOCAB, (40,))
     with torch.no_grad():
         full = model(ids[None]).logits[0]
@@ -172,3 +174,42 @@ def test_fast_cpu_linears_keep_greedy_exact():
         for w in (5, 8):
             r = speculative_generate(t, OracleProposer(ref, 7), prompt, SamplingParams(max_new_tokens=24), width=w)
             assert r.token_ids == ref
+
+
+def test_kda_per_position_states_match_reference():
+    """The recording kernel equals transformers' own recurrent KDA, and its state after i tokens
+    equals the reference run on the first i tokens."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as mk
+    from dflash2.target.recurrent import kda_states
+    ref = getattr(mk.recurrent_kimi_delta_attention, "_dflash2_original", mk.recurrent_kimi_delta_attention)
+    torch.manual_seed(0)
+    B, L, H, dk, dv = 2, 6, 3, 4, 5
+    q, k = torch.randn(B, L, H, dk), torch.randn(B, L, H, dk)
+    v, g = torch.randn(B, L, H, dv), -torch.rand(B, L, H, dk)
+    beta, s0 = torch.rand(B, L, H), torch.randn(B, H, dk, dv)
+    out, states = kda_states(q, k, v, g, beta, s0, use_qk_l2norm_in_kernel=True)
+    ref_out, ref_final = ref(q, k, v, g=g, beta=beta, initial_state=s0, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(states[-1], ref_final)
+    torch.testing.assert_close(states[0], s0)
+    for i in range(1, L):
+        _, s_i = ref(q[:, :i], k[:, :i], v[:, :i], g=g[:, :i], beta=beta[:, :i], initial_state=s0,
+                     output_final_state=True, use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(states[i], s_i)
+
+
+def test_hybrid_rollback_uses_per_position_states():
+    """KimiLinear rolls back from the recorded per-position states (no replay forward)."""
+    model = build("kimi_linear")
+    t = TargetModel(model, layer_ids=[0, 2])
+    assert t.per_position_states
+    calls = []
+    model.register_forward_pre_hook(lambda m, a, kw: calls.append(1), with_kwargs=True)
+    state = t.new_state()
+    ids = torch.randint(3, VOCAB, (12,))
+    t.forward(state, ids[:7]); t.commit(state, 7)
+    t.forward(state, ids[7:12])
+    assert state.positions is not None and len(state.positions.states) == 2  # both linear layers recorded
+    t.commit(state, 2)
+    assert len(calls) == 2 and state.length == 9

@@ -3,18 +3,21 @@
 Gives the draft what it needs: the residual stream after each decoder layer in
 ``target_layer_ids`` (forward hooks, so no full ``hidden_states`` tuple is materialised), the
 token embedding and the LM head. Keeps one KV cache per request and rolls it back after a
-partial acceptance; layers with a recurrent state (linear attention / SSM) are snapshotted
-before a verify pass and, on a partial acceptance, restored and advanced over the accepted
-tokens (transformers' linear-attention kernels only return the final state, so a state per
-verified position is not available without kernel changes).
+partial acceptance. Layers with a recurrent state (linear attention / SSM) roll back too: for
+supported kernels (KimiLinear, see recurrent.py) every verify pass records the state after each
+position and the accepted one is restored; other hybrids are snapshotted before the pass and,
+on a partial acceptance, restored and advanced over the accepted tokens.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+
+from . import recurrent
 
 
 class UnsupportedTargetError(RuntimeError):
@@ -27,6 +30,7 @@ class TargetState:
     length: int = 0                              # committed tokens in the cache
     snapshot: dict | None = field(default=None)  # recurrent state before the pending verify pass
     pending: tuple | None = None                 # (ids, n) of the last forward, until commit
+    positions: recurrent.PositionRecorder | None = None  # per-position recurrent states of the last forward
 
 
 def _decoder_layers(model) -> torch.nn.ModuleList:
@@ -68,6 +72,8 @@ class TargetModel:
         types = getattr(self.config, "layer_types", None) or []
         self.is_hybrid = any(t in ("linear_attention", "mamba", "ssm", "recurrent") for t in types) or \
             getattr(self.config, "model_type", "") in ("mamba", "mamba2", "falcon_mamba")
+        # per-position states where the kernels are known; snapshot + replay otherwise
+        self.per_position_states = self.is_hybrid and recurrent.install(model)
 
     def use_fast_cpu_linears(self) -> int:
         """On the CPU in float32, route bias-free Linears through ``lm_head_matmul``: a verify
@@ -117,12 +123,15 @@ class TargetModel:
         and the concatenated hooked features ``[L, K*H]``. Tokens are appended to the cache as
         pending; call :meth:`commit` to keep a prefix."""
         L = input_ids.shape[-1]
-        if self.is_hybrid:
+        record = self.per_position_states and state.length > 0
+        if self.is_hybrid and not record:
             state.snapshot = self._snapshot(state)
+        state.positions = recurrent.PositionRecorder(L) if record else None
         pos = torch.arange(state.length, state.length + L, device=self.device)[None]
         self._captured.clear()
-        out = self.model(input_ids=input_ids.view(1, L).to(self.device), position_ids=pos,
-                         use_cache=True, **{self._cache_kw: state.cache}, **self._keep_kw(logits_to_keep))
+        with state.positions or contextlib.nullcontext():
+            out = self.model(input_ids=input_ids.view(1, L).to(self.device), position_ids=pos,
+                             use_cache=True, **{self._cache_kw: state.cache}, **self._keep_kw(logits_to_keep))
         feats = torch.cat([self._captured[i][0] for i in self.layer_ids], -1) if self.layer_ids else \
             torch.empty(L, 0, device=self.device)
         state.pending = (input_ids.view(-1), L)
@@ -138,9 +147,15 @@ class TargetModel:
         ids, L = state.pending
         drop = L - keep
         if drop <= 0:
-            state.snapshot = None
+            state.snapshot = state.positions = None
             return
         base = state.length - L
+        if state.positions is not None:
+            recurrent.rewind(state.cache, state.positions, keep)
+            state.positions = None
+            self._crop_attention(state, drop)
+            state.length = base + keep
+            return
         if self.is_hybrid:
             self._restore(state, state.snapshot)
             self._crop_attention(state, L)
