@@ -81,11 +81,14 @@ def stage_prepare(args) -> None:
     rows = []
     jobs = [(gsm, 0.0, 1.0, 320), (gsm[: args.sampled_gsm8k], 1.0, 0.95, 320),
             (share[: len(share) // 2], 0.0, 1.0, 384), (share[len(share) // 2:], 1.0, 0.95, 384)]
+    if args.sampled_gsm8k_2:  # a second sampled answer per GSM8K prompt (another seed): T=1 acceptance data
+        jobs.append((gsm[: args.sampled_gsm8k_2], 1.0, 0.95, 320))
     for texts, temp, top_p, mnt in jobs:
         rows += generate_responses(target.model, target.tokenizer, texts, args.gen_batch, mnt, temp, top_p)
         log(f"generated {len(rows)} rows, {time.time() - t0:.0f}s")
     ds = TokenDataset(rows)
     ds.save(STASH / "data.pt")
+    export_data(rows, OUT / "data_uint16.npz")
     stats = {"sequences": len(ds), "tokens": ds.num_tokens(),
              "response_tokens": sum(len(r["ids"]) - r["prompt_len"] for r in rows), "gen_seconds": time.time() - t0, **info}
     OUT.mkdir(parents=True, exist_ok=True)
@@ -99,6 +102,17 @@ def stage_prepare(args) -> None:
         run_training(args, folder, resume=False)
 
 
+def export_data(rows, path: Path) -> None:
+    """The generated data, compact (token ids < 65,536), so a later session can carry it instead of
+    regenerating: ids concatenated, with each row's length and prompt length."""
+    import numpy as np
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, ids=np.concatenate([r["ids"].numpy().astype(np.uint16) for r in rows]),
+                        lengths=np.array([len(r["ids"]) for r in rows], dtype=np.int32),
+                        prompt_lens=np.array([r["prompt_len"] for r in rows], dtype=np.int32))
+    log(f"exported data to {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+
+
 def run_training(args, folder: Path, resume: bool) -> dict:
     from dflash2.target.loading import load_target
     from dflash2.training.trainer import TrainConfig, train
@@ -106,7 +120,8 @@ def run_training(args, folder: Path, resume: bool) -> dict:
                      draft_config=str(ROOT / "configs" / "smollm2-135m-dflash2.json"), steps=args.steps,
                      batch_size=args.batch_size, max_len=768, anchors_per_seq=args.anchors, lr=args.lr, warmup=200,
                      device="cuda", save_every=1000, eval_every=args.eval_every, eval_prompts=4, resume=resume,
-                     time_limit_s=args.train_seconds)
+                     time_limit_s=args.train_seconds, kl_weight=args.kl_weight,
+                     init_from=str(ROOT / args.init_from) if args.init_from and not resume else None)
     target = load_target(folder, "bfloat16", "cuda")
     res = train(tc, target)
     h = res["history"]
@@ -132,15 +147,69 @@ def stage_train(args) -> None:
     shutil.copy(STASH / "draft" / "train_log.jsonl", OUT / "train_log.jsonl")
     log("exported bf16 draft to $OUT/draft")
     if args.bench:
-        from dflash2.benchmark.gpu_bench import run_gpu_bench
-        run_gpu_bench(folder, OUT / "draft", OUT, seconds=args.bench_seconds)
+        stage_bench(args, draft_dir=OUT / "draft")
+
+
+def stage_bench(args, draft_dir: Path | None = None) -> None:
+    """Acceptance on GSM8K test through the engine (greedy and sampled, widths 5 and 8), then
+    engine speed side by side at several concurrencies. Each part is guarded, so one failure
+    still leaves the others' numbers."""
+    import subprocess
+    folder = target_folder()
+    draft_dir = draft_dir or (STASH / "draft" if (STASH / "draft" / "config.json").is_file()
+                              else ROOT / "models" / "smollm2-135m-dflash2")
+    common = ["--model-path", str(folder), "--speculative-draft-model-path", str(draft_dir), "--device", "cuda",
+              "--dtype", "bfloat16"]
+    gsm = ["--gsm8k-path", str(ROOT / "work" / "gsm8k_test.jsonl")]
+    runs = [("w5_greedy", ["--speculative-num-draft-tokens", "5", "--temperature", "0"]),
+            ("w8_greedy", ["--speculative-num-draft-tokens", "8", "--temperature", "0"]),
+            ("w5_token_t1", ["--speculative-num-draft-tokens", "5", "--temperature", "1", "--top-p", "0.95"]),
+            ("w5_block_t1", ["--speculative-num-draft-tokens", "5", "--temperature", "1", "--top-p", "0.95",
+                             "--speculative-use-block-verification"]),
+            ("w8_token_t1", ["--speculative-num-draft-tokens", "8", "--temperature", "1", "--top-p", "0.95"]),
+            ("w8_block_t1", ["--speculative-num-draft-tokens", "8", "--temperature", "1", "--top-p", "0.95",
+                             "--speculative-use-block-verification"])]
+    cli = [sys.executable, "-m", "dflash2.cli"]
+    envv = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for name, extra in runs:
+        if time.time() - T_START > args.deadline_s - 200:
+            log(f"skip acceptance {name}: deadline"); continue
+        cmd = cli + ["bench", "acceptance"] + common + gsm + extra + [
+            "--dataset", "gsm8k", "--limit", str(args.acc_limit), "--max-tokens", str(args.acc_max_tokens),
+            "--max-running-requests", "128", "--num-workers", "128", "--output", str(OUT / f"acc_{name}.json")]
+        log(f"acceptance {name}")
+        r = subprocess.run(cmd, env=envv, capture_output=True, text=True, timeout=max(30, args.deadline_s - (time.time() - T_START) - 120))
+        print(r.stdout[-1500:], flush=True)
+        if r.returncode:
+            print(r.stderr[-3000:], flush=True)
+    left = args.deadline_s - (time.time() - T_START) - 20
+    if left > 60:
+        cmd = cli + ["bench", "speed"] + common + gsm + [
+            "--limit", "128", "--max-new-tokens", "64", "--requests-per-slot", "2", "--widths", "5,8",
+            "--verifiers", "token,block",
+            "--concurrency", args.concurrency, "--temperature", "0", "--output", str(OUT / "speed_conc.json"),
+            "--plot", str(OUT / "speed_conc.png")]
+        log("engine speed")
+        try:
+            r = subprocess.run(cmd, env=envv, capture_output=True, text=True, timeout=left)
+            print(r.stdout[-3000:], flush=True)
+            if r.returncode:
+                print(r.stderr[-3000:], flush=True)
+        except subprocess.TimeoutExpired as e:
+            print(f"speed timed out; partial stdout: {(e.stdout or b'')[-2000:]}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("stage", choices=["stash", "prepare", "train"])
+    ap.add_argument("stage", choices=["stash", "prepare", "train", "bench"])
     ap.add_argument("--gen-batch", type=int, default=1024)
     ap.add_argument("--sampled-gsm8k", type=int, default=4000)
+    ap.add_argument("--sampled-gsm8k-2", type=int, default=0)
+    ap.add_argument("--kl-weight", type=float, default=0.0)
+    ap.add_argument("--init-from", default=None, help="draft folder (repo-relative) to start from")
+    ap.add_argument("--acc-limit", type=int, default=1319)
+    ap.add_argument("--acc-max-tokens", type=int, default=256)
+    ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--train-seconds", type=float, default=0)
     ap.add_argument("--steps", type=int, default=6000)
     ap.add_argument("--batch-size", type=int, default=32)
@@ -151,7 +220,7 @@ def main() -> None:
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--bench-seconds", type=float, default=150)
     args = ap.parse_args()
-    {"stash": stage_stash, "prepare": stage_prepare, "train": stage_train}[args.stage](args)
+    {"stash": stage_stash, "prepare": stage_prepare, "train": stage_train, "bench": stage_bench}[args.stage](args)
 
 
 if __name__ == "__main__":

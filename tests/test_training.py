@@ -9,7 +9,7 @@ from dflash2.model import DFlash2DraftModel
 from dflash2.model.checkpoint import load_draft
 from dflash2.target import TargetModel
 from dflash2.training.data import TokenDataset
-from dflash2.training.losses import sample_blocks
+from dflash2.training.losses import distill_kl, sample_blocks
 from dflash2.training.trainer import TrainConfig, heldout_acceptance, train
 
 warnings.filterwarnings("ignore")
@@ -30,6 +30,16 @@ def test_sample_blocks_shapes_and_masks():
                 assert abs(float(b.weights[0, n, k - 1]) - torch.exp(torch.tensor(-(k - 1) / 4.0)).item()) < 1e-6
             else:
                 assert b.weights[0, n, k - 1] == 0
+
+
+def test_distill_kl_matches_torch():
+    torch.manual_seed(0)
+    q_logits, p_logits = torch.randn(2, 3, 4, 11), torch.randn(2, 3, 4, 11)
+    w = torch.rand(2, 3, 4); w[0, 0] = 0
+    ref = torch.nn.functional.kl_div(torch.log_softmax(q_logits, -1), torch.log_softmax(p_logits, -1),
+                                     log_target=True, reduction="none").sum(-1)
+    torch.testing.assert_close(distill_kl(q_logits, p_logits, w), (ref * w).sum() / w.sum())
+    assert distill_kl(p_logits, p_logits, w).abs() < 1e-6
 
 
 def test_train_end_to_end(tmp_path):
@@ -61,3 +71,8 @@ def test_train_end_to_end(tmp_path):
     # resume continues from the saved step
     tc.resume, tc.steps = True, 170
     assert train(tc, target=target)["steps"] == 170
+    # init_from + distillation: starts from the trained weights (CE far below a fresh start), KL logged
+    tc2 = TrainConfig(**{**tc.__dict__, "output_dir": str(tmp_path / "distilled"), "resume": False, "steps": 10,
+                         "init_from": str(tmp_path / "draft"), "kl_weight": 1.0, "eval_every": 0, "warmup": 1})
+    h2 = train(tc2, target=target)["history"]
+    assert h2[0]["ce"] < first - 0.5 and all(0 < r["kl"] < 50 for r in h2)

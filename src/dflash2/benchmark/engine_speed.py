@@ -29,12 +29,13 @@ class ConcurrencyRow:
 
 
 def measure(target, draft, prompt_ids, width: int, block: bool, concurrency: int, max_new_tokens: int,
-            temperature: float, name: str) -> ConcurrencyRow:
+            temperature: float, name: str, requests_per_slot: int | None = None) -> ConcurrencyRow:
     eng = LLMEngine(target, draft, EngineConfig(max_running_requests=concurrency, speculative=draft is not None,
                                                 num_draft_tokens=width if draft is not None else 2,
                                                 block_verification=block, context_length=4096,
                                                 max_total_tokens=max(65536, concurrency * 2048)))
-    n = max(concurrency, len(prompt_ids))
+    n = len(prompt_ids) if requests_per_slot is None else min(len(prompt_ids), requests_per_slot * concurrency)
+    n = max(concurrency, n)
     reqs = [Request(prompt_ids[i % len(prompt_ids)], SamplingParams(
         temperature=temperature, top_p=0.95 if temperature else 1.0, max_new_tokens=max_new_tokens, seed=i))
         for i in range(n)]
@@ -52,16 +53,20 @@ def measure(target, draft, prompt_ids, width: int, block: bool, concurrency: int
 
 
 def run(target, draft, prompts: list[str], widths, verifiers, concurrencies, max_new_tokens: int,
-        temperature: float) -> list[ConcurrencyRow]:
+        temperature: float, requests_per_slot: int | None = None) -> list[ConcurrencyRow]:
     target.set_layer_ids(draft.config.target_layer_ids)
     ids = [render(target.tokenizer, p) for p in prompts]
     rows = []
+    # warm-up (allocator, kernels, lazy init) outside every timed row
+    measure(target, None, ids[:2], 1, False, 2, 8, temperature, "warm-up")
+    measure(target, draft, ids[:2], max(widths), False, 2, 8, temperature, "warm-up")
     for c in concurrencies:
-        base = measure(target, None, ids, 1, False, c, max_new_tokens, temperature, "target")
+        base = measure(target, None, ids, 1, False, c, max_new_tokens, temperature, "target", requests_per_slot)
         rows.append(base)
         for w in widths:
             for v in verifiers:
-                r = measure(target, draft, ids, w, v == "block", c, max_new_tokens, temperature, f"dflash2 w={w} {v}")
+                r = measure(target, draft, ids, w, v == "block", c, max_new_tokens, temperature, f"dflash2 w={w} {v}",
+                            requests_per_slot)
                 r.speedup = r.tokens_per_s / base.tokens_per_s
                 rows.append(r)
     return rows

@@ -83,16 +83,20 @@ class ModelRunner:
         B, k = blocks.shape
         lens = [r.num_committed for r in reqs]
         L = max(lens)
-        slots = [self._slots(r, 0, n) for r, n in zip(reqs, lens)]  # once per request, not per layer
+        # one gather per layer for the whole batch: pool slot -> (row, left-padded column)
+        src = [self._slots(r, 0, n) for r, n in zip(reqs, lens)]
+        dev = self.k_pool[0].device
+        src_blk, src_off = torch.cat([b for b, _ in src]).to(dev), torch.cat([o for _, o in src]).to(dev)
+        dst_b = torch.repeat_interleave(torch.arange(B), torch.tensor(lens)).to(dev)
+        dst_t = torch.cat([torch.arange(L - n, L) for n in lens]).to(dev)
         cache = DynamicCache()
         for l in range(len(self.k_pool)):
-            h, d = self.k_pool[l].shape[1], self.k_pool[l].shape[3]
-            K = self.k_pool[l].new_zeros(B, h, L, d)
-            Vv = self.v_pool[l].new_zeros(B, self.v_pool[l].shape[1], L, self.v_pool[l].shape[3])
-            for b, (blk, off) in enumerate(slots):
-                K[b, :, L - lens[b]:] = self.k_pool[l][blk, :, off].transpose(0, 1)
-                Vv[b, :, L - lens[b]:] = self.v_pool[l][blk, :, off].transpose(0, 1)
-            cache.update(K, Vv, l)
+            kp, vp = self.k_pool[l], self.v_pool[l]
+            K = kp.new_zeros(B, L, kp.shape[1], kp.shape[3])
+            Vv = vp.new_zeros(B, L, vp.shape[1], vp.shape[3])
+            K[dst_b, dst_t] = kp[src_blk, :, src_off]
+            Vv[dst_b, dst_t] = vp[src_blk, :, src_off]
+            cache.update(K.transpose(1, 2), Vv.transpose(1, 2), l)
         mask = torch.zeros(B, L + k, dtype=torch.long, device=t.device)
         for b, n in enumerate(lens):
             mask[b, L - n:] = 1
@@ -106,10 +110,17 @@ class ModelRunner:
 
     def commit(self, reqs: list[Request], handle, keep: list[int]) -> None:
         """Keep the first ``keep[b]`` verified rows of each request."""
+        if self.paged and sum(keep):
+            dev = self.k_pool[0].device
+            dst = [self._slots(r, r.num_committed, n) for r, n in zip(reqs, keep)]
+            blk, off = torch.cat([b for b, _ in dst]).to(dev), torch.cat([o for _, o in dst]).to(dev)
+            rows = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(keep)).to(dev)
+            cols = torch.cat([torch.arange(n) for n in keep]).to(dev)
+            for l, (k, v) in enumerate(handle):  # k, v: [B, h, width, d]
+                self.k_pool[l][blk, :, off] = k[rows, :, cols]
+                self.v_pool[l][blk, :, off] = v[rows, :, cols]
         for b, r in enumerate(reqs):
-            if self.paged:
-                self._write(r, [(k[b, :, :keep[b]], v[b, :, :keep[b]]) for k, v in handle], r.num_committed)
-            else:
+            if not self.paged:
                 self.target.commit(r.target_state, keep[b])
             r.num_committed += keep[b]
 

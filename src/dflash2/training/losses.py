@@ -57,10 +57,16 @@ class LossOutput:
     selector: torch.Tensor
     top1_acc: float
     cand_recall: float
+    kl: torch.Tensor | None = None
 
 
 def draft_loss(draft: DFlash2DraftModel, features: torch.Tensor, valid: torch.Tensor, blocks: Blocks,
-               embed: torch.nn.Module, lm_head_weight: torch.Tensor, selector_weight: float = 1.0) -> LossOutput:
+               embed: torch.nn.Module, lm_head_weight: torch.Tensor, selector_weight: float = 1.0,
+               target_logits: torch.Tensor | None = None, kl_weight: float = 0.0) -> LossOutput:
+    """``target_logits [B, N, w-1, V]``: the target's own next-token logits at each slot's label
+    position; with ``kl_weight > 0`` the loss adds KL(p_target || q_draft) at temperature 1, a
+    distillation term beyond the spec's recipe that teaches the whole distribution (what sampled
+    acceptance, sum_x min(p_target, q_draft), rewards) rather than one sampled token."""
     cfg = draft.config
     B, T, _ = features.shape
     _, N, w = blocks.block_ids.shape
@@ -78,6 +84,9 @@ def draft_loss(draft: DFlash2DraftModel, features: torch.Tensor, valid: torch.Te
     wsum = blocks.weights.sum().clamp_min(1e-6)
     ce_tok = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none")
     ce = (ce_tok * blocks.weights.flatten()).sum() / wsum
+    kl = logits.new_zeros(())
+    if kl_weight > 0 and target_logits is not None:
+        kl = distill_kl(logits, target_logits, blocks.weights)
     # selector: candidates from the (detached) slot logits, scored with the true predecessor
     sel = draft.candidate_selector
     U, cand = sel.candidates(logits.detach())                            # [B, N, w-1, k]
@@ -94,7 +103,15 @@ def draft_loss(draft: DFlash2DraftModel, features: torch.Tensor, valid: torch.Te
         m = blocks.weights > 0
         top1 = ((logits.argmax(-1) == blocks.labels) & m).sum().item() / max(m.sum().item(), 1)
         recall = (present & m).sum().item() / max(m.sum().item(), 1)
-    return LossOutput(ce + selector_weight * selector, ce.detach(), selector.detach(), top1, recall)
+    return LossOutput(ce + selector_weight * selector + kl_weight * kl, ce.detach(), selector.detach(), top1, recall,
+                      kl.detach())
+
+
+def distill_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted mean over slots of KL(p_target || q_draft), both at temperature 1."""
+    logp_target = torch.log_softmax(target_logits.float(), -1)
+    kl_tok = (logp_target.exp() * (logp_target - torch.log_softmax(draft_logits.float(), -1))).sum(-1)
+    return (kl_tok * weights).sum() / weights.sum().clamp_min(1e-6)
 
 
 def lr_at(step: int, total: int, warmup: int, base_lr: float, min_ratio: float = 0.1) -> float:

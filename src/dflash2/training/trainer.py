@@ -35,6 +35,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: float = 7.0
     selector_weight: float = 1.0
+    kl_weight: float = 0.0              # > 0: add KL(p_target || q_draft) distillation (beyond spec section 7)
+    init_from: str | None = None        # start from these draft weights (a published-layout folder)
     seed: int = 0
     device: str = "cpu"
     save_every: int = 500
@@ -101,6 +103,9 @@ def train(tc: TrainConfig, target=None) -> dict:
     if tc.resume and (out / "config.json").is_file():
         draft = load_draft(out, device=device, dtype=torch.float32).train()
         state = torch.load(out / "trainer_state.pt", weights_only=False)
+    elif tc.init_from:
+        draft = load_draft(tc.init_from, device=device, dtype=torch.float32).train()
+        state = None
     else:
         draft = DFlash2DraftModel(_draft_config(tc, target)).to(device).init_weights()
         _init_from_target(draft, target)
@@ -133,13 +138,20 @@ def train(tc: TrainConfig, target=None) -> dict:
         ids, loss_mask, valid = ids.to(device), loss_mask.to(device), valid.to(device)
         with torch.no_grad():
             target._captured.clear()
-            target.model(input_ids=ids, attention_mask=valid.long(), use_cache=False)
+            tout = target.model(input_ids=ids, attention_mask=valid.long(), use_cache=False)
             feats = torch.cat([target._captured[i] for i in target.layer_ids], -1)
         blocks = sample_blocks(ids, loss_mask, tc.anchors_per_seq, width, cfg.mask_token_id, tc.gamma)
+        tgt_logits = None
+        if tc.kl_weight > 0:  # row t of the target's logits predicts token t+1: slot k's label sits at a+k
+            rows = (blocks.positions[..., :-1]).clamp(max=ids.shape[1] - 1).flatten(1)
+            tgt_logits = tout.logits[torch.arange(ids.shape[0], device=device)[:, None], rows]
+            tgt_logits = tgt_logits.view(*blocks.labels.shape, -1)
+        del tout
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tc.steps, tc.warmup, tc.lr, tc.min_lr_ratio)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
-            lo = draft_loss(draft, feats, valid, blocks, target.embed, target.lm_head_weight, tc.selector_weight)
+            lo = draft_loss(draft, feats, valid, blocks, target.embed, target.lm_head_weight, tc.selector_weight,
+                            tgt_logits, tc.kl_weight)
         opt.zero_grad(set_to_none=True)
         lo.loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), tc.grad_clip)
@@ -147,6 +159,7 @@ def train(tc: TrainConfig, target=None) -> dict:
         step += 1
         tokens_seen += int(valid.sum())
         rec = {"step": step, "loss": lo.loss.item(), "ce": lo.ce.item(), "selector": lo.selector.item(),
+               "kl": lo.kl.item() if lo.kl is not None else 0.0,
                "top1": lo.top1_acc, "recall": lo.cand_recall, "grad_norm": float(gnorm)}
         history.append(rec)
         elapsed = time.perf_counter() - t_start
