@@ -138,10 +138,10 @@ def stage_train(args) -> None:
     from dflash2.model.checkpoint import load_draft, save_draft
     env_report()
     folder = target_folder()
-    if not (STASH / "draft" / "config.json").is_file():
-        sys.exit("FATAL: ~/stash/draft is gone; run 'stash' and 'prepare' again")
-    if args.train_seconds > 0:
-        run_training(args, folder, resume=True)
+    if not (STASH / "data.pt").is_file():
+        sys.exit("FATAL: ~/stash/data.pt is gone; run 'stash' and 'prepare' again")
+    if args.train_seconds > 0:  # resume a run started by 'prepare', else start one (from --init-from if given)
+        run_training(args, folder, resume=(STASH / "draft" / "config.json").is_file())
     draft = load_draft(STASH / "draft", device="cpu")
     save_draft(draft, OUT / "draft", max_shard_bytes=15 * 2**20, dtype=torch.bfloat16)
     shutil.copy(STASH / "draft" / "train_log.jsonl", OUT / "train_log.jsonl")
