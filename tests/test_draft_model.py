@@ -8,7 +8,7 @@ from conftest import tiny_config
 from dflash2.config import ConfigError, DFlash2Config, yarn_get_mscale
 from dflash2.model import DFlash2DraftModel, build_block_mask
 from dflash2.model.checkpoint import parameter_report
-from dflash2.model.context_cache import DraftContextCache, draft_block
+from dflash2.model.context_cache import DraftContextCache, append_many, draft_block
 from dflash2.model.conv import BlockConv
 from dflash2.model.rope import rope_inv_freq
 
@@ -269,6 +269,21 @@ def test_batched_draft_equals_single(seed):
     for b in range(2):
         one = draft_block(model, [caches[b]], anchors[b:b + 1], pos[b:b + 1], 5, emb, lm)
         torch.testing.assert_close(both.logits[b], one.logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_append_many_equals_one_by_one(seed):
+    cfg = tiny_config()
+    model = DFlash2DraftModel(cfg).init_weights(std=0.2)
+    feats = [torch.randn(n, cfg.fc_in_features) for n in (3, 0, 5)]
+    pos = [torch.arange(7, 10), torch.arange(4, 4), torch.arange(20, 25)]
+    one = [DraftContextCache(model) for _ in feats]
+    for c, f, p in zip(one, feats, pos):
+        c.append(model, f, p)
+    many = [DraftContextCache(model) for _ in feats]
+    append_many(model, many, feats, pos)
+    for a, b in zip(one, many):
+        assert torch.equal(a.positions, b.positions)
+        torch.testing.assert_close(a.latents, b.latents, rtol=1e-5, atol=1e-5)
 
 
 def test_published_parameter_count():

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.context_cache import append_many
 from ..verification import block_verify, probs_from_logits, sample_from_probs, token_level_verify
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
@@ -189,10 +190,11 @@ class LLMEngine:
         res = verify(drafts, q_draft, p_target, acc_u, emit_u)
         keep = (res.num_accepted + 1).tolist()
         self.runner.commit(reqs, handle, keep)
+        if self.draft is not None:  # the accepted rows' target features join each request's draft context
+            append_many(self.draft, [r.draft_cache for r in reqs], [feats[b, :keep[b]] for b in range(B)],
+                        [torch.arange(r.num_committed - keep[b], r.num_committed, device=feats.device)
+                         for b, r in enumerate(reqs)])
         for b, r in enumerate(reqs):
-            if self.draft is not None:
-                start = r.num_committed - keep[b]
-                r.draft_cache.append(self.draft, feats[b, :keep[b]], torch.arange(start, start + keep[b], device=feats.device))
             n = keep[b] - 1
             r.verify_steps += 1
             r.accept_hist[n] += 1

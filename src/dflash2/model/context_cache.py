@@ -32,13 +32,32 @@ class DraftContextCache:
         if positions.numel() == 0:
             return
         lat = draft.context_latents(draft.fuse(target_features).unsqueeze(0), positions.unsqueeze(0))[:, 0]
-        self.latents = torch.cat([self.latents, lat], dim=1)
+        self.extend(lat, positions)
+
+    def extend(self, latents: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add rows already projected (``[num_layers, T, D]``), e.g. by :func:`append_many`."""
+        self.latents = torch.cat([self.latents, latents], dim=1)
         self.positions = torch.cat([self.positions, positions.to(self.positions.device)])
 
     def trim(self, anchor_pos: int) -> None:
         keep = self.positions > anchor_pos - self.window
         if not bool(keep.all()):
             self.latents, self.positions = self.latents[:, keep], self.positions[keep]
+
+
+@torch.no_grad()
+def append_many(draft: DFlash2DraftModel, caches: list[DraftContextCache], features: list[torch.Tensor],
+                positions: list[torch.Tensor]) -> None:
+    """:meth:`DraftContextCache.append` for many requests in one projection: the latent rows are
+    per token (fuse, kv_a, norm, rope at the token's own position), so packing every request's new
+    rows into one sequence gives the same rows with one launch per kernel instead of one per request."""
+    sizes = [int(p.numel()) for p in positions]
+    if not sum(sizes):
+        return
+    lat = draft.context_latents(draft.fuse(torch.cat(features)).unsqueeze(0), torch.cat(positions).unsqueeze(0))[:, 0]
+    for cache, rows, pos in zip(caches, lat.split(sizes, dim=1), positions):
+        if pos.numel():
+            cache.extend(rows, pos)
 
 
 @dataclass
