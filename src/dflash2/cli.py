@@ -156,10 +156,13 @@ def cmd_selfcheck(args) -> int:
 def cmd_train(args) -> int:
     from .training.trainer import TrainConfig, train
     overrides = {k: getattr(args, k) for k in ("data", "output_dir", "draft_config", "target_path", "steps",
-                                               "batch_size", "lr", "device", "resume", "max_len")}
+                                               "batch_size", "lr", "device", "resume", "max_len", "kl_weight",
+                                               "init_from")}
     if args.config:
         tc = TrainConfig.from_file(args.config, **overrides)
     else:
+        if overrides.get("init_from") and not overrides.get("draft_config"):
+            overrides["draft_config"] = str(Path(overrides["init_from"]) / "config.json")
         missing = [k for k in ("data", "output_dir", "draft_config") if not overrides.get(k)]
         if missing:
             raise SystemExit(f"dflash2 train: give --config or --{', --'.join(m.replace('_', '-') for m in missing)}")
@@ -207,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-path"); p.add_argument("--steps", type=int); p.add_argument("--batch-size", type=int)
     p.add_argument("--lr", type=float); p.add_argument("--device"); p.add_argument("--max-len", type=int)
     p.add_argument("--resume", action="store_true", default=None)
+    p.add_argument("--init-from", help="start from these draft weights (a published-layout folder)")
+    p.add_argument("--kl-weight", type=float, help="add KL(p_target || q_draft) distillation with this weight (default 0)")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("prepare-data", help="answer training prompts with the target itself")
     p.add_argument("--model-path"); p.add_argument("--dtype", default="auto"); p.add_argument("--device", default="cpu")
