@@ -1,12 +1,19 @@
-"""One script for the lent H200 (see docs/benchmarks.md). Stages, each one device call:
+"""One script for the lent H200 (see docs/benchmarks.md). Stages, each one device call, back to back:
 
-  python scripts/gpu.py stash                       # carries stash_a/: first half of the SmolLM2 GGUF -> ~/stash
-  python scripts/gpu.py prepare --train-seconds S   # carries stash_b/, .whl/, work/: join, check sha256,
-                                                    #   convert, generate training data, start training
-  python scripts/gpu.py train --steps N --train-seconds S --bench   # resume, finish, export, benchmark
+  python scripts/gpu.py stash       # carry stash_a/: first half of the SmolLM2 GGUF -> ~/stash
+  python scripts/gpu.py prepare --gen-batch 2048 --sampled-gsm8k 7473 --deadline-s 0
+                                    # carry stash_b/ .whl/ work/: join, check sha256, convert, generate
+                                    #   the training data (+ a compact copy under $OUT); trains too when
+                                    #   --deadline-s leaves time
+  python scripts/gpu.py train [--init-from models/...] [--kl-weight 1] --steps N --train-seconds S [--bench]
+                                    # carry work/: start or resume training, export bf16 shards to $OUT
+  python scripts/gpu.py bench --acc-limit 1319 --concurrency 1,8,32,64
+                                    # carry work/: acceptance (engine) + speed by concurrency
 
+The tracked tree plus what a call carries must stay under 64 MiB: with the 45 MB drafter in
+models/, move its model.safetensors aside for the two stash calls (it is needed again for --init-from).
 Everything between calls lives in ~/stash (kept only while the machine stays warm, 30 s).
-Details go under $OUT; a short table is printed last.
+Details go under $OUT; short tables are printed.
 """
 from __future__ import annotations
 
