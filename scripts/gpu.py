@@ -185,7 +185,11 @@ def stage_bench(args, draft_dir: Path | None = None) -> None:
             "--dataset", "gsm8k", "--limit", str(args.acc_limit), "--max-tokens", str(args.acc_max_tokens),
             "--max-running-requests", "128", "--num-workers", "128", "--output", str(OUT / f"acc_{name}.json")]
         log(f"acceptance {name}")
-        r = subprocess.run(cmd, env=envv, capture_output=True, text=True, timeout=max(30, args.deadline_s - (time.time() - T_START) - 120))
+        try:
+            r = subprocess.run(cmd, env=envv, capture_output=True, text=True,
+                               timeout=max(30, args.deadline_s - (time.time() - T_START) - 120))
+        except subprocess.TimeoutExpired:
+            log(f"acceptance {name} cut by the time limit"); continue
         print(r.stdout[-1500:], flush=True)
         if r.returncode:
             print(r.stderr[-3000:], flush=True)
