@@ -56,10 +56,10 @@ class OracleProposer:
         self.rng = torch.Generator().manual_seed(seed)
         self.error_rate = error_rate
 
-    def begin(self, features, positions):
+    def begin(self, features):
         pass
 
-    def commit(self, features, positions):
+    def commit(self, features, start):
         pass
 
     def propose(self, anchor, anchor_pos, num, sampling, uniforms):

@@ -70,3 +70,34 @@ def test_engine_speed_rows(tmp_path):
     assert all(r.output_tokens == 3 * 8 for r in rows[1:]) and rows[1].verify_ms_per_step > 0
     save(rows, tmp_path / "s.json", tmp_path / "s.png")
     assert "dflash2 w=5 block" in table(rows) and (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
+    """Rounds run every config once each, in an order rotated per round, and pool as
+    sum(tokens) / sum(seconds); speedup is against the pooled target row."""
+    from dflash2.benchmark import engine_speed as es
+    order, speed = [], {"target": [10.0, 30.0], "dflash2 w=5 block": [40.0, 40.0]}
+
+    def fake_measure(target, draft, ids, w, block, c, mnt, temp, name, rps=None):
+        if name == "warm-up":
+            return None
+        order.append(name)
+        tps = speed[name][sum(1 for n in order if n == name) - 1]
+        return es.ConcurrencyRow(name, c, 2, 100, 100 / tps, tps, 2.0 if draft else 1.0, 1.0, 2.0, 3.0)
+
+    class T:
+        tokenizer = None
+        def set_layer_ids(self, ids): pass
+
+    class D:
+        class config:
+            target_layer_ids = [0]
+    monkeypatch.setattr(es, "measure", fake_measure)
+    monkeypatch.setattr(es, "render", lambda tok, p: [1, 2])
+    rows = es.run(T(), D(), ["a"], [5], ["block"], [4], 8, 0.0, rounds=2)
+    assert order == ["target", "dflash2 w=5 block", "dflash2 w=5 block", "target"]
+    target, spec = rows
+    assert target.tokens_per_s == pytest.approx(200 / (10 + 100 / 30))   # pooled, not the mean of 10 and 30
+    assert (target.tokens_per_s_min, target.tokens_per_s_max, target.rounds) == (10.0, 30.0, 2)
+    assert spec.speedup == pytest.approx(40.0 / target.tokens_per_s)
+    assert spec.accept_length == pytest.approx(2.0)

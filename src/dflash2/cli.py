@@ -144,7 +144,7 @@ def cmd_selfcheck(args) -> int:
     cfg = DFlash2Config.from_file(DEFAULT_DRAFT)
     m = DFlash2DraftModel(cfg).init_weights()
     c = DraftContextCache(m)
-    c.append(m, torch.randn(12, cfg.fc_in_features), torch.arange(12))
+    c.append(m, torch.randn(12, cfg.fc_in_features), 0)
     out = draft_block(m, [c], torch.tensor([1]), torch.tensor([12]), cfg.block_size,
                       torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size))
     assert torch.isfinite(out.logits).all()

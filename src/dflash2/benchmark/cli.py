@@ -23,6 +23,9 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--temperature", type=float, default=0.0, help="with --concurrency")
     s.add_argument("--requests-per-slot", type=int, default=None,
                    help="with --concurrency: run min(limit, N x concurrency) requests per level (default: all prompts)")
+    s.add_argument("--rounds", type=int, default=1,
+                   help="with --concurrency: repeat every config N times in rotated order and pool them "
+                        "(use 3+ on a noisy or shared machine)")
     s.add_argument("--output", default=None)
     s.add_argument("--plot", default=None, help="PNG of speedup against concurrency")
     s.set_defaults(fn=cmd_speed)
@@ -40,7 +43,7 @@ def cmd_speed(args) -> int:
         from . import engine_speed
         rows = engine_speed.run(target, draft, prompts, [int(w) for w in args.widths.split(",")],
                                 args.verifiers.split(","), [int(c) for c in args.concurrency.split(",")],
-                                args.max_new_tokens, args.temperature, args.requests_per_slot)
+                                args.max_new_tokens, args.temperature, args.requests_per_slot, args.rounds)
         print(engine_speed.table(rows))
         engine_speed.save(rows, args.output, args.plot)
         return 0

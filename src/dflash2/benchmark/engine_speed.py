@@ -26,6 +26,9 @@ class ConcurrencyRow:
     verify_ms_per_step: float
     overhead_ms_per_step: float
     speedup: float = 1.0
+    rounds: int = 1
+    tokens_per_s_min: float = 0.0   # spread over the rounds
+    tokens_per_s_max: float = 0.0
 
 
 def measure(target, draft, prompt_ids, width: int, block: bool, concurrency: int, max_new_tokens: int,
@@ -49,34 +52,57 @@ def measure(target, draft, prompt_ids, width: int, block: bool, concurrency: int
     V = sum(r.verify_steps for r in reqs)
     steps = max(s.steps, 1)
     return ConcurrencyRow(name, concurrency, n, C, secs, C / secs, C / max(V, 1), 1e3 * s.draft_s / steps,
-                          1e3 * s.verify_s / steps, 1e3 * (s.step_s - s.draft_s - s.verify_s) / steps)
+                          1e3 * s.verify_s / steps, 1e3 * (s.step_s - s.draft_s - s.verify_s) / steps,
+                          tokens_per_s_min=C / secs, tokens_per_s_max=C / secs)
+
+
+def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
+    """One row from repeats of the same config: tokens over seconds summed across rounds (so a
+    slow round weighs by its time, not as one vote), per-step times weighted by each round's steps."""
+    first = rows[0]
+    tok, secs = sum(r.output_tokens for r in rows), sum(r.seconds for r in rows)
+    steps = [r.output_tokens / max(r.accept_length, 1e-9) for r in rows]  # verify steps of each round
+    w = sum(steps)
+    avg = lambda f: sum(getattr(r, f) * n for r, n in zip(rows, steps)) / w  # noqa: E731
+    return ConcurrencyRow(first.config, first.concurrency, sum(r.requests for r in rows), tok, secs, tok / secs,
+                          tok / w, avg("draft_ms_per_step"), avg("verify_ms_per_step"), avg("overhead_ms_per_step"),
+                          rounds=len(rows), tokens_per_s_min=min(r.tokens_per_s for r in rows),
+                          tokens_per_s_max=max(r.tokens_per_s for r in rows))
 
 
 def run(target, draft, prompts: list[str], widths, verifiers, concurrencies, max_new_tokens: int,
-        temperature: float, requests_per_slot: int | None = None) -> list[ConcurrencyRow]:
+        temperature: float, requests_per_slot: int | None = None, rounds: int = 1) -> list[ConcurrencyRow]:
+    """Every config at every concurrency, ``rounds`` times. Round k runs the configs in an order
+    rotated by k (target included), so no config is always the first after a change: on a lent,
+    host-bound GPU one row's speed moved 2-3x with its place in the order."""
     target.set_layer_ids(draft.config.target_layer_ids)
     ids = [render(target.tokenizer, p) for p in prompts]
-    rows = []
     # warm-up (allocator, kernels, lazy init) outside every timed row
     measure(target, None, ids[:2], 1, False, 2, 8, temperature, "warm-up")
     measure(target, draft, ids[:2], max(widths), False, 2, 8, temperature, "warm-up")
+    configs = [("target", None, 1, False)] + [(f"dflash2 w={w} {v}", draft, w, v == "block")
+                                               for w in widths for v in verifiers]
+    rows = []
     for c in concurrencies:
-        base = measure(target, None, ids, 1, False, c, max_new_tokens, temperature, "target", requests_per_slot)
-        rows.append(base)
-        for w in widths:
-            for v in verifiers:
-                r = measure(target, draft, ids, w, v == "block", c, max_new_tokens, temperature, f"dflash2 w={w} {v}",
-                            requests_per_slot)
-                r.speedup = r.tokens_per_s / base.tokens_per_s
-                rows.append(r)
+        done: dict[str, list[ConcurrencyRow]] = {name: [] for name, *_ in configs}
+        for k in range(rounds):
+            for name, d, w, block in configs[k % len(configs):] + configs[:k % len(configs)]:
+                done[name].append(measure(target, d, ids, w, block, c, max_new_tokens, temperature, name,
+                                          requests_per_slot))
+        level = [pool_rounds(done[name]) for name, *_ in configs]
+        for r in level[1:]:
+            r.speedup = r.tokens_per_s / level[0].tokens_per_s
+        rows += level
     return rows
 
 
 def table(rows: list[ConcurrencyRow]) -> str:
-    out = [f"{'config':<22}{'conc':>5}{'tok/s':>9}{'AL':>6}{'speedup':>9}{'draft ms':>10}{'verify ms':>10}{'other ms':>9}"]
+    out = [f"{'config':<22}{'conc':>5}{'tok/s':>9}{'AL':>6}{'speedup':>9}{'draft ms':>10}{'verify ms':>10}"
+           f"{'other ms':>9}{'rounds':>7}{'tok/s range':>16}"]
     for r in rows:
         out.append(f"{r.config:<22}{r.concurrency:>5}{r.tokens_per_s:>9.1f}{r.accept_length:>6.2f}{r.speedup:>8.2f}x"
-                   f"{r.draft_ms_per_step:>10.1f}{r.verify_ms_per_step:>10.1f}{r.overhead_ms_per_step:>9.1f}")
+                   f"{r.draft_ms_per_step:>10.1f}{r.verify_ms_per_step:>10.1f}{r.overhead_ms_per_step:>9.1f}"
+                   f"{r.rounds:>7}{f'{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}':>16}")
     return "\n".join(out)
 
 

@@ -187,11 +187,11 @@ class LLMEngine:
         verify = block_verify if self.cfg.block_verification else token_level_verify
         res = verify(drafts, q_draft, p_target, acc_u, emit_u)
         keep = (res.num_accepted + 1).tolist()
+        emitted = res.tokens.tolist()  # one read-back for the whole batch, not one per row
         self.runner.commit(reqs, handle, keep)
         if self.draft is not None:  # the accepted rows' target features join each request's draft context
             append_many(self.draft, [r.draft_cache for r in reqs], [feats[b, :keep[b]] for b in range(B)],
-                        [torch.arange(r.num_committed - keep[b], r.num_committed, device=feats.device)
-                         for b, r in enumerate(reqs)])
+                        [r.num_committed - keep[b] for b, r in enumerate(reqs)])
         for b, r in enumerate(reqs):
             n = keep[b] - 1
             r.verify_steps += 1
@@ -199,7 +199,7 @@ class LLMEngine:
             self.stats.verify_steps += 1
             for i in range(n):
                 self.stats.accepted_by_position[i] += 1
-            self._append(r, res.row(b))
+            self._append(r, emitted[b][: keep[b]])
         s = self.stats
         s.steps += 1
         s.draft_s += t1 - t0

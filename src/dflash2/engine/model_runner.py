@@ -68,7 +68,7 @@ class ModelRunner:
         req.num_committed = len(ids)
         if self.draft is not None:
             req.draft_cache = DraftContextCache(self.draft)
-            req.draft_cache.append(self.draft, feats, torch.arange(len(ids), device=feats.device))
+            req.draft_cache.append(self.draft, feats, 0)
         return logits[-1]
 
     # ---- verify -------------------------------------------------------------------------------
@@ -97,10 +97,9 @@ class ModelRunner:
             K[dst_b, dst_t] = kp[src_blk, :, src_off]
             Vv[dst_b, dst_t] = vp[src_blk, :, src_off]
             cache.update(K.transpose(1, 2), Vv.transpose(1, 2), l)
-        mask = torch.zeros(B, L + k, dtype=torch.long, device=t.device)
-        for b, n in enumerate(lens):
-            mask[b, L - n:] = 1
-        pos = torch.tensor(lens, device=t.device)[:, None] + torch.arange(k, device=t.device)
+        lens_t = torch.tensor(lens, device=t.device)
+        mask = (torch.arange(L + k, device=t.device) >= (L - lens_t)[:, None]).long()  # left padding off
+        pos = lens_t[:, None] + torch.arange(k, device=t.device)
         t._captured.clear()
         out = t.model(input_ids=blocks.to(t.device), attention_mask=mask, position_ids=pos, use_cache=True,
                       **{t._cache_kw: cache})

@@ -12,10 +12,10 @@ from ..verification.logits import SamplingParams
 
 
 class Proposer(Protocol):
-    def begin(self, features: torch.Tensor, positions: torch.Tensor) -> None: ...
+    def begin(self, features: torch.Tensor) -> None: ...          # the prompt's features, from position 0
     def propose(self, anchor: int, anchor_pos: int, num: int, sampling: SamplingParams,
                 uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def commit(self, features: torch.Tensor, positions: torch.Tensor) -> None: ...
+    def commit(self, features: torch.Tensor, start: int) -> None: ...  # accepted rows from ``start``
 
 
 class DFlashProposer:
@@ -26,12 +26,13 @@ class DFlashProposer:
         self.vocab_size = lm_head_weight.shape[0]
         self.cache = DraftContextCache(draft)
 
-    def begin(self, features: torch.Tensor, positions: torch.Tensor) -> None:
+    def begin(self, features: torch.Tensor) -> None:
+        """A new request: the prompt's features, positions from 0."""
         self.cache = DraftContextCache(self.draft)
-        self.commit(features, positions)
+        self.commit(features, 0)
 
-    def commit(self, features: torch.Tensor, positions: torch.Tensor) -> None:
-        self.cache.append(self.draft, features, positions)
+    def commit(self, features: torch.Tensor, start: int) -> None:
+        self.cache.append(self.draft, features, start)
 
     @torch.no_grad()
     def propose(self, anchor, anchor_pos, num, sampling, uniforms):

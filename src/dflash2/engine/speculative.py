@@ -92,7 +92,7 @@ def speculative_generate(target: TargetModel, proposer, prompt_ids: list[int] | 
     p_last = probs_from_logits(logits[-1], sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
     out = [int(sample_from_probs(p_last, torch.rand((), generator=gen).to(p_last.device)))]
     if proposer is not None:
-        proposer.begin(feats, torch.arange(L, device=feats.device))
+        proposer.begin(feats)
     res.prefill_s = time.perf_counter() - t0
     anchor_pos = L
 
@@ -115,7 +115,7 @@ def speculative_generate(target: TargetModel, proposer, prompt_ids: list[int] | 
         n = int(result.num_accepted[0])
         target.commit(state, n + 1)
         if proposer is not None:
-            proposer.commit(feats[: n + 1], torch.arange(anchor_pos, anchor_pos + n + 1, device=feats.device))
+            proposer.commit(feats[: n + 1], anchor_pos)
         anchor_pos += n + 1
         res.verify_steps += 1
         res.accept_hist[n] += 1

@@ -15,6 +15,10 @@ from .draft import DFlash2DraftModel
 
 
 class DraftContextCache:
+    """The committed prefix of one request, contiguous positions ``start .. end-1``. Positions are
+    kept as Python ints too, so trimming never reads a GPU tensor back (one sync per request per
+    step otherwise)."""
+
     def __init__(self, draft: DFlash2DraftModel):
         cfg = draft.config
         p = next(draft.parameters())
@@ -22,42 +26,56 @@ class DraftContextCache:
         self.latents = torch.empty(cfg.num_hidden_layers, 0, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                                    dtype=p.dtype, device=p.device)
         self.positions = torch.empty(0, dtype=torch.long, device=p.device)
+        self.start = self.end = 0
 
     def __len__(self) -> int:
-        return self.positions.numel()
+        return self.end - self.start
 
     @torch.no_grad()
-    def append(self, draft: DFlash2DraftModel, target_features: torch.Tensor, positions: torch.Tensor) -> None:
-        """Project newly committed target features ``[T, K*H]`` at ``positions [T]``."""
-        if positions.numel() == 0:
+    def append(self, draft: DFlash2DraftModel, target_features: torch.Tensor, start: int) -> None:
+        """Project newly committed target features ``[T, K*H]`` of positions ``start .. start+T-1``."""
+        if target_features.shape[0] == 0:
             return
-        lat = draft.context_latents(draft.fuse(target_features).unsqueeze(0), positions.unsqueeze(0))[:, 0]
-        self.extend(lat, positions)
+        pos = torch.arange(start, start + target_features.shape[0], device=target_features.device)
+        lat = draft.context_latents(draft.fuse(target_features).unsqueeze(0), pos.unsqueeze(0))[:, 0]
+        self.extend(lat, start)
 
-    def extend(self, latents: torch.Tensor, positions: torch.Tensor) -> None:
-        """Add rows already projected (``[num_layers, T, D]``), e.g. by :func:`append_many`."""
+    def extend(self, latents: torch.Tensor, start: int) -> None:
+        """Add rows already projected (``[num_layers, T, D]``, positions from ``start``), e.g. by
+        :func:`append_many`. The context must stay contiguous."""
+        if len(self) and start != self.end:
+            raise ValueError(f"draft context holds positions {self.start}..{self.end - 1}; "
+                             f"new rows must start at {self.end}, not {start}")
+        if not len(self):
+            self.start = start
+        n = latents.shape[1]
         self.latents = torch.cat([self.latents, latents], dim=1)
-        self.positions = torch.cat([self.positions, positions.to(self.positions.device)])
+        self.positions = torch.cat([self.positions, torch.arange(start, start + n, device=self.positions.device)])
+        self.end = start + n
 
     def trim(self, anchor_pos: int) -> None:
-        keep = self.positions > anchor_pos - self.window
-        if not bool(keep.all()):
-            self.latents, self.positions = self.latents[:, keep], self.positions[keep]
+        """Drop rows no block anchored at ``anchor_pos`` or later can see (``k <= anchor - window``)."""
+        drop = min(len(self), anchor_pos - self.window + 1 - self.start)
+        if drop > 0:
+            self.latents, self.positions = self.latents[:, drop:], self.positions[drop:]
+            self.start += drop
 
 
 @torch.no_grad()
 def append_many(draft: DFlash2DraftModel, caches: list[DraftContextCache], features: list[torch.Tensor],
-                positions: list[torch.Tensor]) -> None:
+                starts: list[int]) -> None:
     """:meth:`DraftContextCache.append` for many requests in one projection: the latent rows are
     per token (fuse, kv_a, norm, rope at the token's own position), so packing every request's new
     rows into one sequence gives the same rows with one launch per kernel instead of one per request."""
-    sizes = [int(p.numel()) for p in positions]
+    sizes = [int(f.shape[0]) for f in features]
     if not sum(sizes):
         return
-    lat = draft.context_latents(draft.fuse(torch.cat(features)).unsqueeze(0), torch.cat(positions).unsqueeze(0))[:, 0]
-    for cache, rows, pos in zip(caches, lat.split(sizes, dim=1), positions):
-        if pos.numel():
-            cache.extend(rows, pos)
+    device = features[0].device
+    positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, sizes)])
+    lat = draft.context_latents(draft.fuse(torch.cat(features)).unsqueeze(0), positions.unsqueeze(0))[:, 0]
+    for cache, rows, start, n in zip(caches, lat.split(sizes, dim=1), starts, sizes):
+        if n:
+            cache.extend(rows, start)
 
 
 @dataclass
