@@ -50,3 +50,10 @@ def test_corrupt_drafter_is_a_clear_error(tmp_path):
     (d / "model.safetensors").write_bytes(data[: len(data) // 3])
     p = run("generate", "--prompt", "hi", "--speculative-draft-model-path", str(d), check=False)
     assert p.returncode == 2 and "model.safetensors" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_bad_token_map_is_a_clear_error(tmp_path):
+    (tmp_path / "map.json").write_text("[1, 2, 999999]")
+    p = run("generate", "--prompt", "hi", "--max-new-tokens", "2", "--speculative-token-map", str(tmp_path / "map.json"),
+            check=False)
+    assert p.returncode == 2 and "map.json" in p.stderr and "49152" in p.stderr and "Traceback" not in p.stderr

@@ -21,6 +21,9 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                     help="verification width, counting the current token (default: the drafter's block_size)")
     ap.add_argument("--speculative-use-block-verification", action="store_true")
+    ap.add_argument("--speculative-token-map", default=None,
+                    help="draft vocabulary subset (.pt or .json ids); default: token_map.pt beside the drafter "
+                         "when present; 'none' scores the full vocabulary")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--trust-remote-code", action="store_true")
@@ -42,6 +45,8 @@ def load_models(args):
     """Target (+ drafter unless NONE), width and verifier from the flags."""
     import torch
     from .model.checkpoint import CheckpointError, load_draft
+    from .model.token_map import DEFAULT_NAME as TOKEN_MAP_NAME
+    from .model.token_map import load_token_map
     from .target.loading import load_target, resolve_dtype
 
     draft, width = None, 1
@@ -68,6 +73,11 @@ def load_models(args):
         if draft.config.hidden_size != target.config.hidden_size or draft.config.vocab_size != target.lm_head_weight.shape[0]:
             raise SystemExit(f"drafter (hidden {draft.config.hidden_size}, vocab {draft.config.vocab_size}) does not fit "
                              f"the target (hidden {target.config.hidden_size}, vocab {target.lm_head_weight.shape[0]})")
+        map_path = getattr(args, "speculative_token_map", None)
+        if map_path is None and (path / TOKEN_MAP_NAME).is_file():
+            map_path = path / TOKEN_MAP_NAME
+        if map_path is not None and str(map_path).lower() != "none":
+            draft.set_token_map(load_token_map(map_path, draft.config.vocab_size), target.lm_head_weight)
     torch.set_grad_enabled(False)
     return target, draft, width
 
@@ -187,6 +197,21 @@ def cmd_prepare_data(args) -> int:
     return 0
 
 
+def cmd_token_map(args) -> int:
+    """The most frequent response tokens of a prepared dataset (prompts excluded), plus EOS."""
+    import torch
+    from .model.token_map import build_token_map, save_token_map
+    from .training.data import TokenDataset
+    ds = TokenDataset.load(args.data)
+    resp = torch.cat([r["ids"][r["prompt_len"]:] for r in ds.rows])
+    ids = build_token_map(resp, args.size, args.vocab_size, always=[int(t) for t in args.always.split(",") if t])
+    save_token_map(ids, args.output)
+    counts = torch.bincount(resp.long(), minlength=args.vocab_size)
+    print(f"{ids.numel()} ids cover {float(counts[ids].sum() / counts.sum()):.4%} of {resp.numel()} response tokens "
+          f"-> {args.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflash2", description="DFlash2 block speculative decoding")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -221,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0); p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0); p.add_argument("--output", required=True)
     p.set_defaults(fn=cmd_prepare_data)
+    p = sub.add_parser("token-map", help="draft vocabulary subset from a prepared dataset (--speculative-token-map)")
+    p.add_argument("--data", required=True); p.add_argument("--output", required=True)
+    p.add_argument("--size", type=int, default=16384); p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--always", default="", help="comma-separated ids always kept (e.g. EOS)")
+    p.set_defaults(fn=cmd_token_map)
     from .benchmark.cli import add_bench_parser
     from .integrity.cli import add_integrity_parsers
     add_bench_parser(sub)
@@ -238,9 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .config import ConfigError
     from .model.checkpoint import CheckpointError
+    from .model.token_map import TokenMapError
     try:
         return args.fn(args)
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, TokenMapError, FileNotFoundError) as e:
         print(f"dflash2: error: {e}", file=sys.stderr)
         return 2
 

@@ -98,8 +98,29 @@ class DFlash2DraftModel(nn.Module):
             x = layer(x, positions, ctx_latents[i], mask, width)
         return self.norm(x)
 
+    def set_token_map(self, ids: torch.Tensor | None, lm_head_weight: torch.Tensor | None = None) -> None:
+        """Score only ``ids`` (see ``token_map.py``); the rest of the vocabulary gets -inf. ``None``: all."""
+        if ids is None:
+            self._token_map = None
+            return
+        if ids.numel() < self.config.selector_top_k:
+            from .token_map import TokenMapError
+            raise TokenMapError(f"token map has {ids.numel()} ids; the selector needs at least "
+                                f"selector_top_k = {self.config.selector_top_k}")
+        ids = ids.to(lm_head_weight.device)
+        # the head rows are copied once, contiguous, so each step reads only |ids| x H
+        self._token_map = (ids, lm_head_weight.index_select(0, ids).contiguous(), lm_head_weight)
+
     def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        logits = lm_head_matmul(hidden.to(lm_head_weight.dtype), lm_head_weight).float() * self.config.output_multiplier
+        token_map = getattr(self, "_token_map", None)
+        if token_map is not None and token_map[2] is lm_head_weight:
+            ids, sub_weight, _ = token_map
+            sub = lm_head_matmul(hidden.to(sub_weight.dtype), sub_weight).float()
+            logits = sub.new_full((*sub.shape[:-1], lm_head_weight.shape[0]), float("-inf"))
+            logits[..., ids] = sub
+        else:
+            logits = lm_head_matmul(hidden.to(lm_head_weight.dtype), lm_head_weight).float()
+        logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap:
             logits = cap * torch.tanh(logits / cap)
