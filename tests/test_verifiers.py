@@ -153,3 +153,28 @@ def test_sample_from_probs_never_picks_zero_mass(seed):
     u = torch.cat([torch.zeros(1), torch.ones(1) - 1e-9, torch.rand(998)])
     s = sample_from_probs(p, u)
     assert set(s.tolist()) <= {1, 3}
+
+
+@pytest.mark.parametrize("fast_top", [4, 16, 1024])
+def test_truncation_from_the_top_entries_equals_the_full_sort(monkeypatch, fast_top):
+    """probs_from_logits truncates from each row's top entries when that is exact, and sorts the
+    rest fully; both must give the full-sort result (ties included: coarse logits)."""
+    import dflash2.verification.logits as lg
+    g = torch.Generator().manual_seed(fast_top)
+    V = 64
+    logits = torch.cat([torch.randn(40, V, generator=g) * s for s in (0.3, 1.0, 4.0)])
+    logits[:20] = (logits[:20] * 2).round()  # many exact ties
+    R = logits.shape[0]
+    temp = torch.rand(R, generator=g) + 0.5
+    top_k = torch.randint(0, 10, (R,), generator=g) - 1  # -1 / 0 (off) or 1..8: n = max(fast_top, max k)
+    top_p = torch.rand(R, generator=g) * 0.9 + 0.1
+    min_p = torch.where(torch.rand(R, generator=g) < 0.3, torch.rand(R, generator=g) * 0.2, torch.zeros(R))
+    monkeypatch.setattr(lg, "FAST_TOP", 10 ** 9)
+    ref = lg.probs_from_logits(logits, temp, top_k, top_p, min_p)
+    monkeypatch.setattr(lg, "FAST_TOP", fast_top)
+    got = lg.probs_from_logits(logits, temp, top_k, top_p, min_p)
+    assert torch.equal(got > 0, ref > 0)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    got3 = lg.probs_from_logits(logits.view(3, 40, V), temp.view(3, 40), top_k.view(3, 40), top_p.view(3, 40),
+                                min_p.view(3, 40))
+    torch.testing.assert_close(got3.view(R, V), ref, rtol=1e-6, atol=1e-7)
