@@ -13,6 +13,16 @@
   python scripts/gpu.py bench --acc-limit 1319 --concurrency 1,8,32,64
                                     # carry work/: acceptance (engine) + speed by concurrency
 
+Recipe used on 2026-11-30 (benchmarks only, 6 calls, 30 device-minutes):
+  mv models/smollm2-135m-dflash2/model.safetensors /tmp/aside/
+  1. python scripts/gpu.py stash                                          carry: stash_a
+  2. python -m pip install -q --no-deps .whl/gguf-0.19.0-py3-none-any.whl && python scripts/gpu.py stash
+                                                                          carry: stash_b .whl
+  mv /tmp/aside/model.safetensors models/smollm2-135m-dflash2/
+  3. python scripts/gpu.py bench --configs w8_greedy,w5_token_t1 --acc-concurrency 256 --no-speed --deadline-s 575
+                                                                          carry: work (and so on)
+  Speed, next time: python scripts/gpu.py bench --configs w5_greedy --acc-limit 8 --rounds 3
+
 The tracked tree plus what a call carries must stay under 64 MiB: with the 45 MB drafter in
 models/, move its model.safetensors aside for the two stash calls (it is needed again for --init-from).
 Everything between calls lives in ~/stash (kept only while the machine stays warm, 30 s).
