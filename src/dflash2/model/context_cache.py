@@ -16,8 +16,7 @@ from .draft import DFlash2DraftModel
 
 class DraftContextCache:
     """The committed prefix of one request, contiguous positions ``start .. end-1``. Positions are
-    kept as Python ints too, so trimming never reads a GPU tensor back (one sync per request per
-    step otherwise)."""
+    Python ints, so trimming never reads a GPU tensor back (one sync per request per step otherwise)."""
 
     def __init__(self, draft: DFlash2DraftModel):
         cfg = draft.config
@@ -25,11 +24,14 @@ class DraftContextCache:
         self.window = cfg.sliding_window
         self.latents = torch.empty(cfg.num_hidden_layers, 0, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                                    dtype=p.dtype, device=p.device)
-        self.positions = torch.empty(0, dtype=torch.long, device=p.device)
         self.start = self.end = 0
 
     def __len__(self) -> int:
         return self.end - self.start
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.start, self.end, device=self.latents.device)
 
     @torch.no_grad()
     def append(self, draft: DFlash2DraftModel, target_features: torch.Tensor, start: int) -> None:
@@ -48,16 +50,14 @@ class DraftContextCache:
                              f"new rows must start at {self.end}, not {start}")
         if not len(self):
             self.start = start
-        n = latents.shape[1]
         self.latents = torch.cat([self.latents, latents], dim=1)
-        self.positions = torch.cat([self.positions, torch.arange(start, start + n, device=self.positions.device)])
-        self.end = start + n
+        self.end = start + latents.shape[1]
 
     def trim(self, anchor_pos: int) -> None:
         """Drop rows no block anchored at ``anchor_pos`` or later can see (``k <= anchor - window``)."""
         drop = min(len(self), anchor_pos - self.window + 1 - self.start)
         if drop > 0:
-            self.latents, self.positions = self.latents[:, drop:], self.positions[drop:]
+            self.latents = self.latents[:, drop:]
             self.start += drop
 
 

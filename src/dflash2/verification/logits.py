@@ -43,14 +43,17 @@ def _col(x, like: torch.Tensor, dtype) -> torch.Tensor:
 FAST_TOP = 1024  # truncation first tries the top 1024 entries of each row instead of sorting all V
 
 
-def _truncate(probs, sorted_p, idx, k, tp, mp) -> torch.Tensor:
-    """Zero what top-k / top-p / min-p drop, given each row sorted (descending, ties by id).
-    The kept set is a prefix of the sorted row."""
-    rank = torch.arange(sorted_p.shape[-1], device=probs.device)
-    drop = ((k > 0) & (rank >= k)) \
+def _drop(sorted_p, k, tp, mp) -> torch.Tensor:
+    """What top-k / top-p / min-p drop from rows sorted descending (ties by id): a suffix of each row."""
+    rank = torch.arange(sorted_p.shape[-1], device=sorted_p.device)
+    return ((k > 0) & (rank >= k)) \
         | ((sorted_p.cumsum(-1) - sorted_p) > tp) \
         | (sorted_p < sorted_p[..., :1] * mp)  # top-k | smallest prefix reaching top_p | min-p
-    return torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(drop, 0.0))
+
+
+def _truncate(probs, sorted_p, idx, k, tp, mp) -> torch.Tensor:
+    """Zero what :func:`_drop` drops, given each row sorted."""
+    return torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(_drop(sorted_p, k, tp, mp), 0.0))
 
 
 def _truncate_top(probs, k, tp, mp, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,8 +66,7 @@ def _truncate_top(probs, k, tp, mp, n: int) -> tuple[torch.Tensor, torch.Tensor]
     idx, order = idx.sort(dim=-1)                                     # ties by id, as the stable full sort
     vals, order = vals.gather(-1, order).sort(dim=-1, descending=True, stable=True)
     idx = idx.gather(-1, order)
-    rank = torch.arange(n, device=probs.device)
-    keep = ~(((k > 0) & (rank >= k)) | ((vals.cumsum(-1) - vals) > tp) | (vals < vals[..., :1] * mp))
+    keep = ~_drop(vals, k, tp, mp)
     last = vals.gather(-1, keep.sum(-1, keepdim=True) - 1)
     ok = (last > vals[..., -1:]).squeeze(-1)
     return torch.zeros_like(probs).scatter_(-1, idx, vals.masked_fill(~keep, 0.0)), ok
