@@ -82,7 +82,7 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
         if name == "warm-up":
             return None
         order.append(name)
-        tps = speed[name][sum(1 for n in order if n == name) - 1]
+        tps = speed[name][(sum(1 for n in order if n == name) - 1) % 2]
         return es.ConcurrencyRow(name, c, 2, 100, 100 / tps, tps, 2.0 if draft else 1.0, 1.0, 2.0, 3.0)
 
     class T:
@@ -94,9 +94,14 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
             target_layer_ids = [0]
     monkeypatch.setattr(es, "measure", fake_measure)
     monkeypatch.setattr(es, "render", lambda tok, p: [1, 2])
-    rows = es.run(T(), D(), ["a"], [5], ["block"], [4], 8, 0.0, rounds=2)
-    assert order == ["target", "dflash2 w=5 block", "dflash2 w=5 block", "target"]
-    target, spec = rows
+    seen = []
+    rows = es.run(T(), D(), ["a"], [5], ["block"], [4, 8], 8, 0.0, rounds=2,
+                  on_level=lambda r: seen.append([(x.config, x.concurrency) for x in r]))
+    assert order == ["target", "dflash2 w=5 block", "dflash2 w=5 block", "target"] * 2
+    # each finished level is handed over at once (a run cut by a time limit keeps it)
+    assert seen == [[("target", 4), ("dflash2 w=5 block", 4)],
+                    [("target", 4), ("dflash2 w=5 block", 4), ("target", 8), ("dflash2 w=5 block", 8)]]
+    target, spec = rows[:2]
     assert target.tokens_per_s == pytest.approx(200 / (10 + 100 / 30))   # pooled, not the mean of 10 and 30
     assert (target.tokens_per_s_min, target.tokens_per_s_max, target.rounds) == (10.0, 30.0, 2)
     assert spec.speedup == pytest.approx(40.0 / target.tokens_per_s)

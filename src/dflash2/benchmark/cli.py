@@ -43,8 +43,9 @@ def cmd_speed(args) -> int:
         from . import engine_speed
         rows = engine_speed.run(target, draft, prompts, [int(w) for w in args.widths.split(",")],
                                 args.verifiers.split(","), [int(c) for c in args.concurrency.split(",")],
-                                args.max_new_tokens, args.temperature, args.requests_per_slot, args.rounds)
-        print(engine_speed.table(rows))
+                                args.max_new_tokens, args.temperature, args.requests_per_slot, args.rounds,
+                                on_level=lambda rows: (print(engine_speed.table(rows), flush=True),
+                                                       engine_speed.save(rows, args.output)))
         engine_speed.save(rows, args.output, args.plot)
         return 0
     rows = side_by_side(target, draft, prompts, widths=[int(w) for w in args.widths.split(",")],

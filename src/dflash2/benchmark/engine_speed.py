@@ -71,10 +71,12 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
 
 
 def run(target, draft, prompts: list[str], widths, verifiers, concurrencies, max_new_tokens: int,
-        temperature: float, requests_per_slot: int | None = None, rounds: int = 1) -> list[ConcurrencyRow]:
+        temperature: float, requests_per_slot: int | None = None, rounds: int = 1,
+        on_level=None) -> list[ConcurrencyRow]:
     """Every config at every concurrency, ``rounds`` times. Round k runs the configs in an order
     rotated by k (target included), so no config is always the first after a change: on a lent,
-    host-bound GPU one row's speed moved 2-3x with its place in the order."""
+    host-bound GPU one row's speed moved 2-3x with its place in the order. ``on_level(rows so far)``
+    runs after each concurrency level, so a run cut by a time limit keeps the levels it finished."""
     target.set_layer_ids(draft.config.target_layer_ids)
     ids = [render(target.tokenizer, p) for p in prompts]
     # warm-up (allocator, kernels, lazy init) outside every timed row
@@ -93,6 +95,8 @@ def run(target, draft, prompts: list[str], widths, verifiers, concurrencies, max
         for r in level[1:]:
             r.speedup = r.tokens_per_s / level[0].tokens_per_s
         rows += level
+        if on_level is not None:
+            on_level(rows)
     return rows
 
 
