@@ -104,5 +104,6 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
     target, spec = rows[:2]
     assert target.tokens_per_s == pytest.approx(200 / (10 + 100 / 30))   # pooled, not the mean of 10 and 30
     assert (target.tokens_per_s_min, target.tokens_per_s_max, target.rounds) == (10.0, 30.0, 2)
+    assert (target.round_tokens_per_s, target.round_slots) == ([10.0, 30.0], [0, 3])
     assert spec.speedup == pytest.approx(40.0 / target.tokens_per_s)
     assert spec.accept_length == pytest.approx(2.0)

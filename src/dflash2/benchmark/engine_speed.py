@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..engine.engine import EngineConfig, LLMEngine
@@ -29,6 +29,8 @@ class ConcurrencyRow:
     rounds: int = 1
     tokens_per_s_min: float = 0.0   # spread over the rounds
     tokens_per_s_max: float = 0.0
+    round_tokens_per_s: list = field(default_factory=list)  # round by round, to see drift over time
+    round_slots: list = field(default_factory=list)         # each round's place in the whole run's order
 
 
 def measure(target, draft, prompt_ids, width: int, block: bool, concurrency: int, max_new_tokens: int,
@@ -67,7 +69,9 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
     return ConcurrencyRow(first.config, first.concurrency, sum(r.requests for r in rows), tok, secs, tok / secs,
                           tok / w, avg("draft_ms_per_step"), avg("verify_ms_per_step"), avg("overhead_ms_per_step"),
                           rounds=len(rows), tokens_per_s_min=min(r.tokens_per_s for r in rows),
-                          tokens_per_s_max=max(r.tokens_per_s for r in rows))
+                          tokens_per_s_max=max(r.tokens_per_s for r in rows),
+                          round_tokens_per_s=[r.tokens_per_s for r in rows],
+                          round_slots=[s for r in rows for s in r.round_slots])
 
 
 def run(target, draft, prompts: list[str], widths, verifiers, concurrencies, max_new_tokens: int,
@@ -84,13 +88,14 @@ def run(target, draft, prompts: list[str], widths, verifiers, concurrencies, max
     measure(target, draft, ids[:2], max(widths), False, 2, 8, temperature, "warm-up")
     configs = [("target", None, 1, False)] + [(f"dflash2 w={w} {v}", draft, w, v == "block")
                                                for w in widths for v in verifiers]
-    rows = []
+    rows, slot = [], 0
     for c in concurrencies:
         done: dict[str, list[ConcurrencyRow]] = {name: [] for name, *_ in configs}
         for k in range(rounds):
             for name, d, w, block in configs[k % len(configs):] + configs[:k % len(configs)]:
-                done[name].append(measure(target, d, ids, w, block, c, max_new_tokens, temperature, name,
-                                          requests_per_slot))
+                row = measure(target, d, ids, w, block, c, max_new_tokens, temperature, name, requests_per_slot)
+                row.round_slots, slot = [slot], slot + 1
+                done[name].append(row)
         level = [pool_rounds(done[name]) for name, *_ in configs]
         for r in level[1:]:
             r.speedup = r.tokens_per_s / level[0].tokens_per_s
