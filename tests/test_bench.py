@@ -76,10 +76,11 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
     """Rounds run every config once each, in an order rotated per round, and pool as
     sum(tokens) / sum(seconds); speedup is against the pooled target row."""
     from dflash2.benchmark import engine_speed as es
-    order, speed = [], {"target": [10.0, 30.0], "dflash2 w=5 block": [40.0, 40.0]}
+    order, speed, warm = [], {"target": [10.0, 30.0], "dflash2 w=5 block": [40.0, 40.0]}, []
 
     def fake_measure(target, draft, ids, w, block, c, mnt, temp, name, rps=None):
         if name == "warm-up":
+            warm.append((c, w, len(order)))
             return None
         order.append(name)
         tps = speed[name][(sum(1 for n in order if n == name) - 1) % 2]
@@ -98,6 +99,8 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
     rows = es.run(T(), D(), ["a"], [5], ["block"], [4, 8], 8, 0.0, rounds=2,
                   on_level=lambda r: seen.append([(x.config, x.concurrency) for x in r]))
     assert order == ["target", "dflash2 w=5 block", "dflash2 w=5 block", "target"] * 2
+    # every config runs once untimed at each level before its timed rounds (first-shape costs)
+    assert warm == [(4, 1, 0), (4, 5, 0), (8, 1, 4), (8, 5, 4)]
     # each finished level is handed over at once (a run cut by a time limit keeps it)
     assert seen == [[("target", 4), ("dflash2 w=5 block", 4)],
                     [("target", 4), ("dflash2 w=5 block", 4), ("target", 8), ("dflash2 w=5 block", 8)]]
@@ -107,3 +110,37 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
     assert (target.round_tokens_per_s, target.round_slots) == ([10.0, 30.0], [0, 3])
     assert spec.speedup == pytest.approx(40.0 / target.tokens_per_s)
     assert spec.accept_length == pytest.approx(2.0)
+
+
+def test_side_by_side_pairs_prompts_and_rotates(monkeypatch):
+    """Batch-1 side by side: every prompt runs every config back to back, the order rotated per
+    prompt; rows pool tokens over seconds and speedup is against the target row."""
+    from types import SimpleNamespace
+
+    from dflash2.benchmark import speed as sp
+    calls = []
+
+    def fake_generate(target, proposer, ids, sampling, width, verify_method):
+        calls.append((ids[0], width, verify_method, sampling.seed))
+        secs = 2.0 if proposer is None else 1.0          # the draft doubles tokens/s
+        steps = 10 if proposer is None else 4
+        return SimpleNamespace(completion_tokens=10, verify_steps=steps, total_s=secs,
+                               accept_hist=[0] * (width - 1) + [steps])
+
+    class T:
+        tokenizer = embed = lm_head_weight = None
+        def set_layer_ids(self, ids): pass
+
+    class D:
+        class config:
+            target_layer_ids = [0]
+    monkeypatch.setattr(sp, "speculative_generate", fake_generate)
+    monkeypatch.setattr(sp, "render", lambda tok, p: [int(p)])
+    monkeypatch.setattr(sp, "DFlashProposer", lambda *a: object())
+    rows = sp.side_by_side(T(), D(), ["7", "8", "9"], widths=(5, 8), temperatures=(0.0,), verifies=("block",))
+    assert [(c[0], c[1]) for c in calls] == [(7, 1), (7, 5), (7, 8), (8, 5), (8, 8), (8, 1), (9, 8), (9, 1), (9, 5)]
+    assert {c[3] for c in calls if c[0] == 8} == {1}     # same seed for every config of a prompt
+    assert [r.name for r in rows] == ["target T=0.0", "dflash2 w=5 block T=0.0", "dflash2 w=8 block T=0.0"]
+    assert rows[0].tokens_per_s == pytest.approx(30 / 6.0) and rows[0].prompts == 3
+    assert rows[1].speedup == pytest.approx(2.0) and rows[1].accept_length == pytest.approx(30 / 12)
+    assert rows[2].accept_hist[-1] == 12

@@ -76,21 +76,24 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
 
 def run(target, draft, prompts: list[str], widths, verifiers, concurrencies, max_new_tokens: int,
         temperature: float, requests_per_slot: int | None = None, rounds: int = 1,
-        on_level=None) -> list[ConcurrencyRow]:
+        on_level=None, warmup: bool = True) -> list[ConcurrencyRow]:
     """Every config at every concurrency, ``rounds`` times. Round k runs the configs in an order
     rotated by k (target included), so no config is always the first after a change: on a lent,
     host-bound GPU one row's speed moved 2-3x with its place in the order. ``on_level(rows so far)``
     runs after each concurrency level, so a run cut by a time limit keeps the levels it finished."""
     target.set_layer_ids(draft.config.target_layer_ids)
     ids = [render(target.tokenizer, p) for p in prompts]
-    # warm-up (allocator, kernels, lazy init) outside every timed row
-    measure(target, None, ids[:2], 1, False, 2, 8, temperature, "warm-up")
-    measure(target, draft, ids[:2], max(widths), False, 2, 8, temperature, "warm-up")
     configs = [("target", None, 1, False)] + [(f"dflash2 w={w} {v}", draft, w, v == "block")
                                                for w in widths for v in verifiers]
     rows, slot = [], 0
     for c in concurrencies:
         done: dict[str, list[ConcurrencyRow]] = {name: [] for name, *_ in configs}
+        # An untimed pass of every config at this level first: on the H200 the first run of each
+        # (concurrency, width) shape set was 2-3x slower than the next ones (15 vs 36 tok/s for the
+        # target at c=1; the token rows, which ran before the block rows of the same width, took
+        # the hit and the block rows after them did not), which skewed every speedup.
+        for name, d, w, block in configs if warmup else []:
+            measure(target, d, ids, w, block, c, max_new_tokens, temperature, "warm-up", requests_per_slot)
         for k in range(rounds):
             for name, d, w, block in configs[k % len(configs):] + configs[:k % len(configs)]:
                 row = measure(target, d, ids, w, block, c, max_new_tokens, temperature, name, requests_per_slot)

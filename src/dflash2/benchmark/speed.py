@@ -33,40 +33,53 @@ def gsm8k_test_prompts(path: str | Path, n: int) -> list[str]:
     return gsm8k_prompts(path, n)
 
 
-def run_config(target, draft, prompt_ids, name, width, verify, sampling_kw, max_new_tokens, seed=0) -> SpeedRow:
-    C = V = 0
-    secs = 0.0
-    hist = [0] * max(width, 1)
-    for i, ids in enumerate(tqdm(prompt_ids, desc=name, leave=False)):
-        sp = SamplingParams(max_new_tokens=max_new_tokens, seed=seed + i, **sampling_kw)
-        proposer = DFlashProposer(draft, target.embed, target.lm_head_weight) if draft is not None else None
-        r = speculative_generate(target, proposer, ids, sp, width=width if draft is not None else 1,
-                                 verify_method=verify)
-        C += r.completion_tokens; V += r.verify_steps; secs += r.total_s
+class _Tally:
+    """Tokens, verify steps, seconds and the accept histogram of one config, summed over prompts."""
+
+    def __init__(self, name, width, verify, temperature):
+        self.name, self.width, self.verify, self.temperature = name, width, verify, temperature
+        self.C = self.V = self.prompts = 0
+        self.secs = 0.0
+        self.hist = [0] * max(width, 1)
+
+    def add(self, r) -> None:
+        self.C += r.completion_tokens; self.V += r.verify_steps; self.secs += r.total_s; self.prompts += 1
         for k, c in enumerate(r.accept_hist):
-            hist[k] += c
-    return SpeedRow(name, width if draft is not None else 1, verify, sampling_kw.get("temperature", 0.0),
-                    len(prompt_ids), C, V, secs, C / secs, C / max(V, 1), accept_hist=hist)
+            self.hist[k] += c
+
+    def row(self) -> SpeedRow:
+        return SpeedRow(self.name, self.width, self.verify, self.temperature, self.prompts, self.C, self.V,
+                        self.secs, self.C / self.secs, self.C / max(self.V, 1), accept_hist=self.hist)
 
 
 def side_by_side(target, draft, prompts: list[str], widths=(5, 8), temperatures=(0.0, 1.0),
                  max_new_tokens: int = 256, verifies=("token",)) -> list[SpeedRow]:
-    """Baseline first for each temperature, then every (width, verifier); speedup vs that baseline."""
+    """The target alone and every (width, verifier), batch 1, through ``speculative_generate``.
+    Paired: each prompt runs every config back to back, in an order rotated per prompt, so a
+    drift of the machine's speed (seen at 10-20% on the CPU VM) hits all configs alike instead of
+    whichever ran in that stretch. Speedup is tokens/s over the target's, same prompts and seeds."""
     if draft is not None:
         target.set_layer_ids(draft.config.target_layer_ids)
     prompt_ids = [render(target.tokenizer, p) for p in prompts]
     rows: list[SpeedRow] = []
     for temp in temperatures:
         kw = {"temperature": temp} | ({"top_p": 0.95} if temp > 0 else {})
-        base_verify = "greedy" if temp == 0 else "token"
-        base = run_config(target, None, prompt_ids, f"target T={temp}", 1, base_verify, kw, max_new_tokens)
-        rows.append(base)
+        configs = [(f"target T={temp}", None, 1, "greedy" if temp == 0 else "token")]
         for w in widths:
             for v in verifies:
                 vm = "greedy" if temp == 0 and v == "token" else v
-                r = run_config(target, draft, prompt_ids, f"dflash2 w={w} {vm} T={temp}", w, vm, kw, max_new_tokens)
-                r.speedup = r.tokens_per_s / base.tokens_per_s
-                rows.append(r)
+                configs.append((f"dflash2 w={w} {vm} T={temp}", draft, w, vm))
+        tally = {name: _Tally(name, w if d is not None else 1, vm, temp) for name, d, w, vm in configs}
+        for i, ids in enumerate(tqdm(prompt_ids, desc=f"T={temp}", leave=False)):
+            k = i % len(configs)
+            for name, d, w, vm in configs[k:] + configs[:k]:
+                sp = SamplingParams(max_new_tokens=max_new_tokens, seed=i, **kw)
+                proposer = DFlashProposer(d, target.embed, target.lm_head_weight) if d is not None else None
+                tally[name].add(speculative_generate(target, proposer, ids, sp, width=w, verify_method=vm))
+        level = [tally[name].row() for name, *_ in configs]
+        for r in level[1:]:
+            r.speedup = r.tokens_per_s / level[0].tokens_per_s
+        rows += level
     return rows
 
 

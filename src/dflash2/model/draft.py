@@ -18,7 +18,7 @@ def lm_head_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if hidden.device.type == "cpu" and weight.dtype == torch.float32 and hidden.dim() >= 2:
         flat = hidden.reshape(-1, hidden.shape[-1])
         if 1 < flat.shape[0] <= 64:
-            return (weight @ flat.T).T.reshape(*hidden.shape[:-1], weight.shape[0])
+            return (weight @ flat.T).T.contiguous().reshape(*hidden.shape[:-1], weight.shape[0])
     return F.linear(hidden, weight)
 
 
