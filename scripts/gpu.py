@@ -21,8 +21,8 @@ Recipe used on 2026-11-30 (benchmarks only, 6 calls, 30 device-minutes):
   mv /tmp/aside/model.safetensors models/smollm2-135m-dflash2/
   3. python scripts/gpu.py bench --configs w8_greedy,w5_token_t1 --acc-concurrency 256 --no-speed --deadline-s 575
                                                                           carry: work (and so on)
-  Speed, next time: python scripts/gpu.py bench --configs w5_greedy --acc-limit 8 --rounds 3 --concurrency 1,8
-    then --concurrency 32,64 in a second call (3 rounds of 5 configs per level; one call is 10 min at most)
+  Speed (fourth session): python scripts/gpu.py bench --configs w5_greedy --acc-limit 1 --rounds 3 --concurrency 1,8,32
+    took 9.5 min with the untimed warm-up pass per level; put 64 in a call of its own.
 
 The tracked tree plus what a call carries must stay under 64 MiB: with the 45 MB drafter in
 models/, move its model.safetensors aside for the two stash calls (it is needed again for --init-from).
