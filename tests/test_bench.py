@@ -122,6 +122,7 @@ def test_side_by_side_pairs_prompts_and_rotates(monkeypatch):
 
     def fake_generate(target, proposer, ids, sampling, width, verify_method):
         calls.append((ids[0], width, verify_method, sampling.seed))
+        assert (proposer is None) == (width == 1)
         secs = 2.0 if proposer is None else 1.0          # the draft doubles tokens/s
         steps = 10 if proposer is None else 4
         return SimpleNamespace(completion_tokens=10, verify_steps=steps, total_s=secs,
@@ -138,6 +139,8 @@ def test_side_by_side_pairs_prompts_and_rotates(monkeypatch):
     monkeypatch.setattr(sp, "render", lambda tok, p: [int(p)])
     monkeypatch.setattr(sp, "DFlashProposer", lambda *a: object())
     rows = sp.side_by_side(T(), D(), ["7", "8", "9"], widths=(5, 8), temperatures=(0.0,), verifies=("block",))
+    warm, calls = calls[:3], calls[3:]                  # one untimed short run of each config first
+    assert [(c[0], c[1]) for c in warm] == [(7, 1), (7, 5), (7, 8)]
     assert [(c[0], c[1]) for c in calls] == [(7, 1), (7, 5), (7, 8), (8, 5), (8, 8), (8, 1), (9, 8), (9, 1), (9, 5)]
     assert {c[3] for c in calls if c[0] == 8} == {1}     # same seed for every config of a prompt
     assert [r.name for r in rows] == ["target T=0.0", "dflash2 w=5 block T=0.0", "dflash2 w=8 block T=0.0"]

@@ -70,6 +70,10 @@ def side_by_side(target, draft, prompts: list[str], widths=(5, 8), temperatures=
                 vm = "greedy" if temp == 0 and v == "token" else v
                 configs.append((f"dflash2 w={w} {vm} T={temp}", draft, w, vm))
         tally = {name: _Tally(name, w if d is not None else 1, vm, temp) for name, d, w, vm in configs}
+        for name, d, w, vm in configs:  # untimed: lazy init and first-shape costs stay out of every row
+            proposer = DFlashProposer(d, target.embed, target.lm_head_weight) if d is not None else None
+            speculative_generate(target, proposer, prompt_ids[0][:32], SamplingParams(max_new_tokens=8, **kw),
+                                 width=w, verify_method=vm)
         for i, ids in enumerate(tqdm(prompt_ids, desc=f"T={temp}", leave=False)):
             k = i % len(configs)
             for name, d, w, vm in configs[k:] + configs[:k]:
