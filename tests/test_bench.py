@@ -147,3 +147,24 @@ def test_side_by_side_pairs_prompts_and_rotates(monkeypatch):
     assert rows[0].tokens_per_s == pytest.approx(30 / 6.0) and rows[0].prompts == 3
     assert rows[1].speedup == pytest.approx(2.0) and rows[1].accept_length == pytest.approx(30 / 12)
     assert rows[2].accept_hist[-1] == 12
+
+
+def test_side_by_side_on_a_tiny_model(monkeypatch):
+    """The batch-1 side by side end to end on a tiny random target and draft (no fakes but the
+    tokenizer): every row decodes every prompt, and the greedy rows count the same tokens."""
+    import torch
+    from targets import build
+    from test_speculative import random_draft
+    from dflash2.benchmark import speed as sp
+    from dflash2.target import TargetModel
+    t = TargetModel(build("llama"), layer_ids=[0, 2])
+    draft = random_draft(t).draft
+    prompts = {str(i): torch.randint(3, 96, (6,)).tolist() for i in range(3)}
+    monkeypatch.setattr(sp, "render", lambda tok, p: prompts[p])
+    rows = sp.side_by_side(t, draft, list(prompts), widths=(4,), temperatures=(0.0, 1.0), max_new_tokens=10,
+                           verifies=("token", "block"))
+    assert [r.name for r in rows] == ["target T=0.0", "dflash2 w=4 greedy T=0.0", "dflash2 w=4 block T=0.0",
+                                      "target T=1.0", "dflash2 w=4 token T=1.0", "dflash2 w=4 block T=1.0"]
+    assert all(r.prompts == 3 and r.seconds > 0 and r.accept_length >= 1 for r in rows)
+    assert {r.completion_tokens for r in rows[:3]} == {rows[0].completion_tokens}
+    assert sum(rows[1].accept_hist) == rows[1].verify_steps
