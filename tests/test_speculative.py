@@ -176,6 +176,19 @@ def test_fast_cpu_linears_keep_greedy_exact():
             assert r.token_ids == ref
 
 
+def test_fast_cpu_matmul_matches_linear_and_is_contiguous():
+    """The CPU fp32 path for 2-64 rows equals ``F.linear`` and hands back contiguous rows: a
+    transposed view sent every verify-pass attention call to the slow math SDPA kernel."""
+    from dflash2.model.draft import lm_head_matmul
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 48, generator=g)
+    for shape in ((1, 48), (8, 48), (1, 8, 48), (2, 5, 48), (65, 48)):
+        x = torch.randn(*shape, generator=g)
+        out = lm_head_matmul(x, w)
+        assert out.shape == (*shape[:-1], 300) and out.is_contiguous()
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
 def test_kda_per_position_states_match_reference():
     """The recording kernel equals transformers' own recurrent KDA, and its state after i tokens
     equals the reference run on the first i tokens."""
