@@ -70,16 +70,17 @@ def side_by_side(target, draft, prompts: list[str], widths=(5, 8), temperatures=
                 vm = "greedy" if temp == 0 and v == "token" else v
                 configs.append((f"dflash2 w={w} {vm} T={temp}", draft, w, vm))
         tally = {name: _Tally(name, w if d is not None else 1, vm, temp) for name, d, w, vm in configs}
-        for name, d, w, vm in configs:  # untimed: lazy init and first-shape costs stay out of every row
+
+        def generate(d, w, vm, ids, sp):
             proposer = DFlashProposer(d, target.embed, target.lm_head_weight) if d is not None else None
-            speculative_generate(target, proposer, prompt_ids[0][:32], SamplingParams(max_new_tokens=8, **kw),
-                                 width=w, verify_method=vm)
+            return speculative_generate(target, proposer, ids, sp, width=w, verify_method=vm)
+
+        for name, d, w, vm in configs:  # untimed: lazy init and first-shape costs stay out of every row
+            generate(d, w, vm, prompt_ids[0][:32], SamplingParams(max_new_tokens=8, **kw))
         for i, ids in enumerate(tqdm(prompt_ids, desc=f"T={temp}", leave=False)):
             k = i % len(configs)
             for name, d, w, vm in configs[k:] + configs[:k]:
-                sp = SamplingParams(max_new_tokens=max_new_tokens, seed=i, **kw)
-                proposer = DFlashProposer(d, target.embed, target.lm_head_weight) if d is not None else None
-                tally[name].add(speculative_generate(target, proposer, ids, sp, width=w, verify_method=vm))
+                tally[name].add(generate(d, w, vm, ids, SamplingParams(max_new_tokens=max_new_tokens, seed=i, **kw)))
         level = [tally[name].row() for name, *_ in configs]
         for r in level[1:]:
             r.speedup = r.tokens_per_s / level[0].tokens_per_s

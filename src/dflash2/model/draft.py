@@ -64,6 +64,7 @@ class DFlash2DraftModel(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg, self.rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.candidate_selector = CandidateSelector(H, cfg.vocab_size, cfg.selector_rank, cfg.selector_top_k)
+        self._token_map = None  # (ids, head rows of ids, the full head they came from); see set_token_map
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> "DFlash2DraftModel":
         """Random init for training or tests (normal linears, unit norms, identity convs, top-1 selector)."""
@@ -112,9 +113,8 @@ class DFlash2DraftModel(nn.Module):
         self._token_map = (ids, lm_head_weight.index_select(0, ids).contiguous(), lm_head_weight)
 
     def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        token_map = getattr(self, "_token_map", None)
-        if token_map is not None and token_map[2] is lm_head_weight:
-            ids, sub_weight, _ = token_map
+        if self._token_map is not None and self._token_map[2] is lm_head_weight:
+            ids, sub_weight, _ = self._token_map
             sub = lm_head_matmul(hidden.to(sub_weight.dtype), sub_weight).float()
             logits = sub.new_full((*sub.shape[:-1], lm_head_weight.shape[0]), float("-inf"))
             logits[..., ids] = sub
