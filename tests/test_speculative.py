@@ -189,6 +189,54 @@ def test_fast_cpu_matmul_matches_linear_and_is_contiguous():
         torch.testing.assert_close(out, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+def test_packed_cpu_linear_matches_linear():
+    """oneDNN-packed weights compute ``F.linear`` at every row count, follow an in-place weight
+    update (repack on ``_version``), and leave autograd to ``F.linear``."""
+    from dflash2.model.cpu_linear import PackedWeight, onednn_available, pack_linears
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN linear")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 48, generator=g)
+    packed = PackedWeight(w)
+    for shape in ((1, 48), (5, 48), (8, 48), (2, 5, 48), (130, 48)):
+        x = torch.randn(*shape, generator=g)
+        out = packed(x)
+        assert out.shape == (*shape[:-1], 300) and out.is_contiguous()
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        w.mul_(-2.0)  # e.g. an optimizer step or load_state_dict after packing
+    x = torch.randn(8, 48, generator=g)
+    torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    lin = torch.nn.Linear(48, 16, bias=False)
+    assert pack_linears(torch.nn.Sequential(lin)) == 1
+    x = torch.randn(4, 48, generator=g)
+    lin(x).sum().backward()  # grad enabled + trainable weight: PyTorch's path, gradients flow
+    torch.testing.assert_close(lin.weight.grad, x.sum(0).expand(16, 48).contiguous())
+
+
+def test_packed_draft_keeps_logits():
+    """A draft with packed Linears and token map gives the same block logits as without."""
+    from dflash2.model.context_cache import DraftContextCache, draft_block
+    cfg = tiny_config()
+    draft = DFlash2DraftModel(cfg).init_weights(generator=torch.Generator().manual_seed(3)).eval()
+    head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    draft.set_token_map(torch.arange(0, cfg.vocab_size, 2), head.weight)
+    feats = torch.randn(1, 9, cfg.fc_in_features)
+    with torch.no_grad():
+        draft.candidate_selector.successor_codebook.normal_(0, 0.1)
+
+    def run():
+        cache = DraftContextCache(draft)
+        cache.append(draft, feats[0], 0)
+        return draft_block(draft, [cache], torch.tensor([5]), torch.tensor([9]), cfg.block_size, embed, head.weight).logits
+    with torch.no_grad():
+        ref = run()
+        assert draft.pack_cpu_linears() > 0
+        draft.set_token_map(torch.arange(0, cfg.vocab_size, 2), head.weight)
+        torch.testing.assert_close(run(), ref, rtol=1e-4, atol=1e-4)
+
+
 def test_kda_per_position_states_match_reference():
     """The recording kernel equals transformers' own recurrent KDA, and its state after i tokens
     equals the reference run on the first i tokens."""

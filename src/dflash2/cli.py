@@ -58,6 +58,7 @@ def load_models(args):
                                  progress=False):
                 raise CheckpointError(f"{path}: refused, the files do not match {args.verify_manifest}")
         draft = load_draft(path, device=args.device, dtype=resolve_dtype(args.dtype, args.device))
+        draft.pack_cpu_linears()  # inference only: a no-op off the CPU or in bf16
         width = draft.config.block_size
         if args.speculative_num_draft_tokens is not None:
             if args.speculative_num_draft_tokens < 2:

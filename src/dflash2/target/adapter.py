@@ -76,19 +76,24 @@ class TargetModel:
         self.per_position_states = self.is_hybrid and recurrent.install(model)
 
     def use_fast_cpu_linears(self) -> int:
-        """On the CPU in float32, route bias-free Linears through ``lm_head_matmul``: a verify
-        pass over 5-8 tokens then costs far less than 5-8 one-token steps (AVX2 machines have no
-        fast bf16 GEMM, and MKL's default orientation is slow for a few rows). Same function;
-        only float rounding differs. Returns how many layers were switched."""
+        """On the CPU in float32, route bias-free Linears through weights packed once for oneDNN
+        (``cpu_linear.py``): a verify pass over 5-8 tokens then costs little more than one token
+        (AVX2 machines have no fast bf16 GEMM, and PyTorch's default path is slow for a few rows).
+        Without oneDNN, MKL's transposed orientation. Same function; only float rounding differs.
+        Returns how many layers were switched."""
         import types
 
-        from ..model.draft import lm_head_matmul
+        from ..model.cpu_linear import pack_linears, transposed_matmul
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return 0
-        n = 0
+        n = pack_linears(self.model)
+        if n:
+            return n
         for mod in self.model.modules():
             if type(mod) is torch.nn.Linear and mod.bias is None:
-                mod.forward = types.MethodType(lambda m, x: lm_head_matmul(x, m.weight), mod)
+                mod.forward = types.MethodType(
+                    lambda m, x: transposed_matmul(x, m.weight) if 1 < x.numel() // x.shape[-1] <= 64
+                    else torch.nn.functional.linear(x, m.weight), mod)
                 n += 1
         return n
 

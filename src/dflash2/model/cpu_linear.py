@@ -1,0 +1,81 @@
+"""Float32 Linears on the CPU for a few rows at a time (a verify pass, a draft block).
+
+Measured on the 2-core AVX2 VM, SmolLM2-135M's 210 Linears streamed from memory: PyTorch's
+default path reads 8 GB/s at 1 row but 4.4-4.7 GB/s at 5-8 rows; oneDNN with the weight
+reordered once into its blocked layout reads ~9 GB/s at 1 row and 7.5-8.7 GB/s at 5-8 rows
+(docs/benchmarks.md, fifth session). A verify pass then costs little more than one token.
+
+``pack_linears`` swaps the ``forward`` of frozen bias-free ``nn.Linear`` modules; the same
+function is computed, only float rounding differs. A weight changed after packing (its
+``_version`` moves) is repacked; autograd and non-fp32 inputs take ``F.linear``.
+"""
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+import torch.nn.functional as F
+
+PACK_ROWS = 8  # oneDNN's layout hint: the verify / draft block sizes this project runs
+
+
+def onednn_available() -> bool:
+    """``DFLASH2_ONEDNN=0`` turns the packed path off (A/B timing, or a build that misbehaves)."""
+    if os.environ.get("DFLASH2_ONEDNN", "1") == "0":
+        return False
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def transposed_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T`` as ``(weight @ hidden.T).T``: MKL's faster orientation for 2-64 rows
+    against a large output dim (35 ms -> 13 ms for 5 x 49152 x 576), made contiguous because a
+    strided result sends every later attention call to the slow math SDPA kernel."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return (weight @ flat.T).T.contiguous().reshape(*hidden.shape[:-1], weight.shape[0])
+
+
+class PackedWeight:
+    """One fp32 weight ``[out, in]`` kept in oneDNN's layout; called like ``F.linear(x, weight)``."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self._pack()
+
+    def _pack(self) -> None:
+        self.version = self.weight._version
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or (torch.is_grad_enabled() and
+                                                                  (x.requires_grad or self.weight.requires_grad)):
+            return F.linear(x, self.weight)
+        if self.weight._version != self.version:
+            self._pack()
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, None, "none", [], "")
+        return out.reshape(*x.shape[:-1], self.weight.shape[0])
+
+
+def packed_or_none(weight: torch.Tensor) -> PackedWeight | None:
+    """A packed weight where oneDNN can take it (CPU, fp32), else ``None``."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_available():
+        return None
+    try:
+        return PackedWeight(weight)
+    except RuntimeError:  # an op this build lacks at run time: keep PyTorch's path
+        return None
+
+
+def pack_linears(module: torch.nn.Module) -> int:
+    """Route every bias-free fp32 CPU ``nn.Linear`` under ``module`` through a packed weight.
+    Returns how many were switched (0 off the CPU, in bf16, or without oneDNN)."""
+    n = 0
+    for mod in module.modules():
+        if type(mod) is torch.nn.Linear and mod.bias is None:
+            packed = packed_or_none(mod.weight)
+            if packed is not None:
+                mod.forward = types.MethodType(lambda m, x, _p=packed: _p(x), mod)
+                n += 1
+    return n
