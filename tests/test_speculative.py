@@ -162,7 +162,9 @@ def test_sampled_first_tokens_match_target_distribution(method, top_p):
     assert chisquare(obs.numpy(), ex.numpy() * obs.sum().item() / ex.sum().item()).pvalue > 1e-4
 
 
-def test_fast_cpu_linears_keep_greedy_exact():
+@pytest.mark.parametrize("onednn", ["1", "0"])
+def test_fast_cpu_linears_keep_greedy_exact(onednn, monkeypatch):
+    monkeypatch.setenv("DFLASH2_ONEDNN", onednn)  # the packed path, and the fallback without oneDNN
     model = build("llama", seed=5)
     t = TargetModel(model, layer_ids=[0, 2])
     assert t.use_fast_cpu_linears() > 0

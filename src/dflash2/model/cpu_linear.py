@@ -3,7 +3,7 @@
 Measured on the 2-core AVX2 VM, SmolLM2-135M's 210 Linears streamed from memory: PyTorch's
 default path reads 8 GB/s at 1 row but 4.4-4.7 GB/s at 5-8 rows; oneDNN with the weight
 reordered once into its blocked layout reads ~9 GB/s at 1 row and 7.5-8.7 GB/s at 5-8 rows
-(docs/benchmarks.md, fifth session). A verify pass then costs little more than one token.
+(docs/benchmarks.md, fifth session). Inside the model the gain is smaller: a few percent.
 
 ``pack_linears`` swaps the ``forward`` of frozen bias-free ``nn.Linear`` modules; the same
 function is computed, only float rounding differs. A weight changed after packing (its
