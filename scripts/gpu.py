@@ -125,9 +125,7 @@ def stage_prepare(args) -> None:
             run_training(args, folder, resume=False)
         return
     target = load_target(folder, "bfloat16", "cuda")
-    prompts = [json.loads(l) for l in (ROOT / "work" / "prompts.jsonl").read_text().splitlines()]
-    gsm = [p["text"] for p in prompts if p["source"] == "gsm8k"]
-    share = [p["text"] for p in prompts if p["source"] == "sharegpt"]
+    gsm, share = training_prompts()
     t0 = time.time()
     rows = []
     jobs = [(gsm, 0.0, 1.0, 320), (gsm[: args.sampled_gsm8k], 1.0, 0.95, 320),
@@ -153,6 +151,13 @@ def stage_prepare(args) -> None:
         run_training(args, folder, resume=False)
 
 
+def training_prompts() -> tuple[list[str], list[str]]:
+    """GSM8K train and ShareGPT first-turn texts from the carried work/prompts.jsonl."""
+    prompts = [json.loads(l) for l in (ROOT / "work" / "prompts.jsonl").read_text().splitlines()]
+    return ([p["text"] for p in prompts if p["source"] == "gsm8k"],
+            [p["text"] for p in prompts if p["source"] == "sharegpt"])
+
+
 def sampled_answers(args, folder: Path) -> list[dict]:
     """New T=1 / top-p 0.95 answers to GSM8K train and ShareGPT prompts, with a seed no earlier
     'prepare' used, to add to loaded data (sampled acceptance wants many contexts)."""
@@ -160,11 +165,10 @@ def sampled_answers(args, folder: Path) -> list[dict]:
     from dflash2.target.loading import load_target
     from dflash2.training.data import generate_responses
     target = load_target(folder, "bfloat16", "cuda")
-    prompts = [json.loads(l) for l in (ROOT / "work" / "prompts.jsonl").read_text().splitlines()]
-    gsm = [p["text"] for p in prompts if p["source"] == "gsm8k"][: args.add_sampled_gsm8k]
-    share = [p["text"] for p in prompts if p["source"] == "sharegpt"][: args.add_sampled_sharegpt]
+    gsm, share = training_prompts()
     t0, rows = time.time(), []
-    for seed, (texts, mnt) in enumerate([(gsm, 320), (share, 384)], start=101):
+    jobs = [(gsm[: args.add_sampled_gsm8k], 320), (share[: args.add_sampled_sharegpt], 384)]
+    for seed, (texts, mnt) in enumerate(jobs, start=101):
         if texts:
             rows += generate_responses(target.model, target.tokenizer, texts, args.gen_batch, mnt, 1.0, 0.95, seed=seed)
             log(f"generated {len(rows)} new sampled rows, {time.time() - t0:.0f}s")

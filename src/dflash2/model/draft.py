@@ -8,17 +8,9 @@ from torch import nn
 from ..config import DFlash2Config
 from .attention import MLAttention, RMSNorm
 from .conv import BlockConv
-from .cpu_linear import pack_linears, packed_or_none, transposed_matmul
+from .cpu_linear import lm_head_matmul, pack_linears, packed_or_none
 from .rope import RotaryEmbedding
 from .selector import CandidateSelector
-
-
-def lm_head_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``hidden @ weight.T``; on the CPU in float32 with 2-64 rows, MKL's faster orientation."""
-    if hidden.device.type == "cpu" and weight.dtype == torch.float32 and hidden.dim() >= 2 \
-            and 1 < hidden.numel() // hidden.shape[-1] <= 64:
-        return transposed_matmul(hidden, weight)
-    return F.linear(hidden, weight)
 
 
 class SwiGLU(nn.Module):

@@ -83,8 +83,7 @@ class TargetModel:
         Returns how many layers were switched."""
         import types
 
-        from ..model.cpu_linear import pack_linears
-        from ..model.draft import lm_head_matmul
+        from ..model.cpu_linear import lm_head_matmul, pack_linears
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return 0
         n = pack_linears(self.model)
