@@ -1,4 +1,5 @@
 """End-to-end speculative decoding against tiny random transformers targets."""
+import os
 import warnings
 
 import pytest
@@ -165,9 +166,11 @@ def test_sampled_first_tokens_match_target_distribution(method, top_p):
 @pytest.mark.parametrize("onednn", ["1", "0"])
 def test_fast_cpu_linears_keep_greedy_exact(onednn, monkeypatch):
     monkeypatch.setenv("DFLASH2_ONEDNN", onednn)  # the packed path, and the fallback without oneDNN
-    model = build("llama", seed=5)
+    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+    model = build("llama", seed=5)  # 4 query heads over 2 K/V heads: the masked GQA path runs
     t = TargetModel(model, layer_ids=[0, 2])
-    assert t.use_fast_cpu_linears() > 0
+    assert t.use_fast_cpu_kernels() > 0
+    assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "1"
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         prompt = torch.randint(3, VOCAB, (7,), generator=g)

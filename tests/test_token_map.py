@@ -45,7 +45,7 @@ def test_greedy_with_token_map_equals_target(target):
     def spy(*a, **k):
         toks, q = orig(*a, **k)
         proposed.update(toks.tolist())
-        assert q.sum(-1).gt(0).all()
+        assert q is None  # temperature 0: one-hot, rebuilt by the loop for token / block
         return toks, q
     prop.propose = spy
     for _ in range(3):

@@ -14,7 +14,7 @@ from ..verification.logits import SamplingParams
 class Proposer(Protocol):
     def begin(self, features: torch.Tensor) -> None: ...          # the prompt's features, from position 0
     def propose(self, anchor: int, anchor_pos: int, num: int, sampling: SamplingParams,
-                uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+                uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # q_draft None: one-hot
     def commit(self, features: torch.Tensor, start: int) -> None: ...  # accepted rows from ``start``
 
 
@@ -40,7 +40,9 @@ class DFlashProposer:
         out = draft_block(self.draft, [self.cache], torch.tensor([anchor], device=device),
                           torch.tensor([anchor_pos], device=device), num + 1, self.embed, self.lm_head_weight)
         sel = self.draft.candidate_selector.walk(
-            out.logits, out.hidden, torch.tensor([anchor], device=device),
+            None, out.hidden, torch.tensor([anchor], device=device),
             torch.tensor([sampling.temperature], device=device), uniforms[None].to(device),
-            sampling.top_k, sampling.top_p, sampling.min_p)
-        return sel.tokens[0], sel.dense_q(self.vocab_size)[0]
+            sampling.top_k, sampling.top_p, sampling.min_p, candidates=out.candidates())
+        # at temperature 0 q is one-hot at each token (the decode loop rebuilds it if a non-greedy
+        # verifier asks): skip building a [g, V] tensor each step
+        return sel.tokens[0], None if sampling.greedy else sel.dense_q(self.vocab_size)[0]

@@ -63,6 +63,8 @@ def _verify(method: str, drafts, q_draft, logits, sampling: SamplingParams, gen)
     if method == "greedy":
         return greedy_verify(drafts[None], logits[None])
     p_target = probs_from_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+    if q_draft is None:  # a proposer at temperature 0 skips it: its q is one-hot at each draft token
+        q_draft = torch.nn.functional.one_hot(drafts, logits.shape[-1]).float()
     fn = token_level_verify if method == "token" else block_verify
     return fn(drafts[None], q_draft[None].to(p_target.device), p_target[None],
               torch.rand(1, g, generator=gen).to(p_target.device), torch.rand(1, generator=gen).to(p_target.device))

@@ -80,8 +80,18 @@ def append_many(draft: DFlash2DraftModel, caches: list[DraftContextCache], featu
 
 @dataclass
 class DraftBlockOutput:
-    logits: torch.Tensor   # [B, width-1, V] for slots 1..width-1
-    hidden: torch.Tensor   # [B, width-1, H] final-normed hidden of those slots
+    hidden: torch.Tensor   # [B, width-1, H] final-normed hidden of slots 1..width-1
+    draft: DFlash2DraftModel
+    lm_head_weight: torch.Tensor
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """``[B, width-1, V]`` fp32 (built on demand: decoding needs only :meth:`candidates`)."""
+        return self.draft.compute_logits(self.hidden, self.lm_head_weight)
+
+    def candidates(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selector's top-k ``(logits, ids)`` per slot, ``[B, width-1, k]`` each."""
+        return self.draft.candidates(self.hidden, self.lm_head_weight)
 
 
 @torch.no_grad()
@@ -108,4 +118,4 @@ def draft_block(draft: DFlash2DraftModel, caches: list[DraftContextCache], ancho
     mask = build_block_mask(q_pos, anchor_pos[:, None].expand(B, width), torch.zeros_like(q_pos),
                             ctx_pos, ctx_valid, cfg.sliding_window, cfg.is_causal)
     hidden = draft(embed(block_ids), q_pos, lat, mask, width)[:, 1:]
-    return DraftBlockOutput(draft.compute_logits(hidden, lm_head_weight), hidden)
+    return DraftBlockOutput(hidden, draft, lm_head_weight)

@@ -59,10 +59,12 @@ class CandidateSelector(nn.Module):
     @torch.no_grad()
     def walk(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
              temperature: torch.Tensor, uniforms: torch.Tensor | None = None,
-             top_k=-1, top_p=1.0, min_p=0.0) -> SelectorOutput:
+             top_k=-1, top_p=1.0, min_p=0.0, candidates=None) -> SelectorOutput:
         """``logits [B, g, V]`` and ``hidden [B, g, H]`` of the draft slots; ``anchor [B]``;
-        ``temperature [B]`` (0 = greedy row); ``uniforms [B, g]`` for the sampled rows."""
-        U, cand = self.candidates(logits)
+        ``temperature [B]`` (0 = greedy row); ``uniforms [B, g]`` for the sampled rows.
+        ``candidates``: ``(U, cand)`` already taken (``DFlash2DraftModel.candidates``); then
+        ``logits`` is not read and may be None."""
+        U, cand = self.candidates(logits) if candidates is None else candidates
         W = self.pair_weights(hidden, cand)
         B, g, k = U.shape
         prev = anchor

@@ -79,5 +79,5 @@ def load_target(path: str | Path | None = None, dtype: str = "auto", device: str
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, trust_remote_code=trust_remote_code, **kw)
     tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kw)
     target = TargetModel(model.to(device), tok, layer_ids)
-    target.use_fast_cpu_linears()
+    target.use_fast_cpu_kernels()
     return target
