@@ -63,10 +63,12 @@ class MLAttention(nn.Module):
         self.scale = cfg.softmax_scale()
 
     def latent(self, y: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The per-token cache entry: ``[c_kv (kv_lora) | roped k_pe (rope)]``."""
+        """The per-token cache entry: ``[kv_a_layernorm(c_kv) (kv_lora) | roped k_pe (rope)]``. Both
+        are per token, so a context row is normed and roped once, when it enters the cache, not
+        again at every step that reads it."""
         c, k_pe = self.kv_a_proj_with_mqa(y).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], -1)
         cos, sin = self.rotary.cos_sin(positions, k_pe.dtype)
-        return torch.cat([c, apply_interleaved_rope(k_pe, cos, sin)], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), apply_interleaved_rope(k_pe, cos, sin)], dim=-1)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx_latent: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
@@ -79,7 +81,6 @@ class MLAttention(nn.Module):
         q_pe = apply_interleaved_rope(q_pe, cos.unsqueeze(-2), sin.unsqueeze(-2))
         lat = torch.cat([ctx_latent.to(h.dtype), self.latent(h, positions)], dim=1)  # context first
         c, k_pe = lat.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
-        c = self.kv_a_layernorm(c)
         # Absorbed MLA: fold kv_b's key half into the queries and its value half into the output, so
         # attention runs over the latent (kv_lora + rope values per token, shared by all heads)
         # instead of expanding every context row to n heads each step. Same function as
@@ -92,7 +93,7 @@ class MLAttention(nn.Module):
         # one matmul against [B, Lk, D]; SDPA over the head-expanded (stride-0) k/v took 3 ms a layer
         # on the CPU, mostly scaling the expanded keys.
         # fp32 throughout (as SDPA accumulates), cast back once.
-        keys = torch.cat([c, k_pe], -1).float()                                # [B, Lk, lora+rope]
+        keys = lat.float()                                                     # [B, Lk, lora+rope]
         scores = torch.matmul(q.float().reshape(B, n * Lq, -1), keys.transpose(1, 2)).view(B, n, Lq, -1)
         scores = (scores * self.scale).masked_fill(~mask.unsqueeze(1), float("-inf"))
         out_lat = torch.matmul(scores.softmax(-1).view(B, n * Lq, -1), c.float())

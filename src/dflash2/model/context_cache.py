@@ -106,12 +106,16 @@ def draft_block(draft: DFlash2DraftModel, caches: list[DraftContextCache], ancho
         c.trim(p)
     Tc = max(1, max(len(c) for c in caches))
     D = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    lat = torch.zeros(cfg.num_hidden_layers, B, Tc, D, dtype=caches[0].latents.dtype, device=device)
-    ctx_pos = torch.zeros(B, Tc, dtype=torch.long, device=device)
-    ctx_valid = torch.zeros(B, Tc, dtype=torch.bool, device=device)
-    for b, c in enumerate(caches):
-        n = len(c)
-        lat[:, b, :n], ctx_pos[b, :n], ctx_valid[b, :n] = c.latents, c.positions, True
+    if B == 1 and len(caches[0]):  # batch 1 (the CPU loop): no padding, so no copy of the context
+        lat, ctx_pos = caches[0].latents.unsqueeze(1), caches[0].positions[None]
+        ctx_valid = torch.ones(1, Tc, dtype=torch.bool, device=device)
+    else:
+        lat = torch.zeros(cfg.num_hidden_layers, B, Tc, D, dtype=caches[0].latents.dtype, device=device)
+        ctx_pos = torch.zeros(B, Tc, dtype=torch.long, device=device)
+        ctx_valid = torch.zeros(B, Tc, dtype=torch.bool, device=device)
+        for b, c in enumerate(caches):
+            n = len(c)
+            lat[:, b, :n], ctx_pos[b, :n], ctx_valid[b, :n] = c.latents, c.positions, True
     block_ids = torch.full((B, width), cfg.mask_token_id, dtype=torch.long, device=device)
     block_ids[:, 0] = anchors
     q_pos = anchor_pos[:, None] + torch.arange(width, device=device)

@@ -67,21 +67,28 @@ class CandidateSelector(nn.Module):
         U, cand = self.candidates(logits) if candidates is None else candidates
         W = self.pair_weights(hidden, cand)
         B, g, k = U.shape
+        all_greedy = bool((temperature == 0).all())
         prev = anchor
-        tokens, qs = [], []
+        tokens, qs, js = [], [], []
         for t in range(g):
             S = U[:, t] + torch.einsum("bkr,br->bk", W[:, t], self.predecessor_codebook[prev].float())
             # greedy: argmax with exact ties going to the lower token id
             is_max = S == S.max(dim=-1, keepdim=True).values
             greedy_j = torch.where(is_max, cand[:, t], torch.full_like(cand[:, t], torch.iinfo(torch.long).max)).argmin(-1)
-            q = probs_from_logits(S, temperature, top_k, top_p, min_p)
-            if uniforms is not None:
-                sampled_j = sample_from_probs(q, uniforms[:, t])
-                j = torch.where(temperature == 0, greedy_j, sampled_j)
+            if all_greedy:  # the common CPU batch-1 case: skip filtering and sampling (~3 ms a step)
+                j, q = greedy_j, None
             else:
-                j = greedy_j
-            q = torch.where((temperature == 0)[:, None], torch.nn.functional.one_hot(j, k).float(), q)
+                q = probs_from_logits(S, temperature, top_k, top_p, min_p)
+                if uniforms is not None:
+                    sampled_j = sample_from_probs(q, uniforms[:, t])
+                    j = torch.where(temperature == 0, greedy_j, sampled_j)
+                else:
+                    j = greedy_j
+                q = torch.where((temperature == 0)[:, None], torch.nn.functional.one_hot(j, k).float(), q)
             prev = cand[:, t].gather(1, j[:, None]).squeeze(1)
             tokens.append(prev)
             qs.append(q)
-        return SelectorOutput(torch.stack(tokens, 1), cand, torch.stack(qs, 1))
+            js.append(j)
+        tokens = torch.stack(tokens, 1)
+        q_draft = torch.nn.functional.one_hot(torch.stack(js, 1), k).float() if all_greedy else torch.stack(qs, 1)
+        return SelectorOutput(tokens, cand, q_draft)
