@@ -167,8 +167,9 @@ def sampled_answers(args, folder: Path) -> list[dict]:
     target = load_target(folder, "bfloat16", "cuda")
     gsm, share = training_prompts()
     t0, rows = time.time(), []
-    jobs = [(gsm[: args.add_sampled_gsm8k], 320), (share[: args.add_sampled_sharegpt], 384)]
-    for seed, (texts, mnt) in enumerate(jobs, start=101):
+    off = args.add_sharegpt_offset
+    jobs = [(gsm[: args.add_sampled_gsm8k], 320), (share[off: off + args.add_sampled_sharegpt], 384)]
+    for seed, (texts, mnt) in enumerate(jobs, start=args.add_seed):
         if texts:
             rows += generate_responses(target.model, target.tokenizer, texts, args.gen_batch, mnt, 1.0, 0.95, seed=seed)
             log(f"generated {len(rows)} new sampled rows, {time.time() - t0:.0f}s")
@@ -319,6 +320,9 @@ def main() -> None:
     ap.add_argument("--sampled-gsm8k-2", type=int, default=0)
     ap.add_argument("--add-sampled-gsm8k", type=int, default=0, help="with --data-npz: new T=1 answers to add")
     ap.add_argument("--add-sampled-sharegpt", type=int, default=0)
+    ap.add_argument("--add-sharegpt-offset", type=int, default=0, help="first ShareGPT prompt of --add-sampled-sharegpt")
+    ap.add_argument("--add-seed", type=int, default=101,
+                    help="seed of the first added job (stage 3 used 101-102: a new stage needs new seeds)")
     ap.add_argument("--data-npz", default=None, help="repo-relative data_uint16.npz from an earlier 'prepare'")
     ap.add_argument("--kl-weight", type=float, default=0.0)
     ap.add_argument("--init-from", default=None, help="draft folder (repo-relative) to start from")

@@ -91,8 +91,7 @@ class MLAttention(nn.Module):
         q = torch.cat([q_lat, q_pe.transpose(1, 2)], -1)                      # [B, n, Lq, lora+rope]
         # Every head reads the same latent keys/values (MQA form), so all n*Lq query rows go through
         # one matmul against [B, Lk, D]; SDPA over the head-expanded (stride-0) k/v took 3 ms a layer
-        # on the CPU, mostly scaling the expanded keys.
-        # fp32 throughout (as SDPA accumulates), cast back once.
+        # on the CPU, mostly scaling the expanded keys. Scores and softmax in fp32, cast back once.
         keys = lat.float()                                                     # [B, Lk, lora+rope]
         scores = torch.matmul(q.float().reshape(B, n * Lq, -1), keys.transpose(1, 2)).view(B, n, Lq, -1)
         scores = (scores * self.scale).masked_fill(~mask.unsqueeze(1), float("-inf"))
