@@ -36,6 +36,11 @@ Stage 3 of the shipped drafter (fifth session, 2026-11-30; 21 device-minutes in 
   come back from a call: JSON outputs are now merged into $OUT/summary.json so the 6 files of the
   draft and its train log fit (that session needed a 5th call, `train --train-seconds 0`, to fetch them).
 
+Stage 4 (sixth session, 20.3 device-minutes): the same 4 calls from stage 3's data
+(--data-npz work/data3_uint16.npz --add-seed 201 --add-sharegpt-offset 2000, so the new answers are
+new samples); exact commands in models/smollm2-135m-dflash2/README.md. The prepare call returns the
+joined data as $OUT/data_uint16.npz (kept locally as work/data4_uint16.npz, 37,892 sequences).
+
 The tracked tree plus what a call carries must stay under 64 MiB: with the 45 MB drafter in
 models/, move its model.safetensors aside for the two stash calls (it is needed again for --init-from).
 Everything between calls lives in ~/stash (kept only while the machine stays warm, 30 s).

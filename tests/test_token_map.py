@@ -33,6 +33,24 @@ def test_mapped_logits_equal_full_logits_on_the_map(target):
     torch.testing.assert_close(draft.compute_logits(hidden, target.lm_head_weight), full)
 
 
+def test_mapped_candidates_equal_candidates_of_full_logits(target):
+    """Decoding takes the selector's top-k over the mapped rows only; it must give the same values,
+    ids and order (ties to the lower id) as top-k over the full -inf-filled logits, with a
+    softcap too (unmapped tokens stay -inf, never -cap)."""
+    draft = random_draft(target).draft
+    ids = torch.arange(1, VOCAB, 3)
+    draft.set_token_map(ids, target.lm_head_weight)
+    hidden = torch.randn(3, 4, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for cap in (None, 0.5):
+        draft.config.final_logit_softcapping = cap
+        vals, cand = draft.candidates(hidden, target.lm_head_weight)
+        ref_vals, ref_cand = draft.candidate_selector.candidates(draft.compute_logits(hidden, target.lm_head_weight))
+        assert torch.equal(cand, ref_cand)
+        torch.testing.assert_close(vals, ref_vals)
+        assert set(cand.flatten().tolist()) <= set(ids.tolist())
+    draft.config.final_logit_softcapping = None
+
+
 def test_greedy_with_token_map_equals_target(target):
     """Lossless: tokens outside the map are never proposed, yet the output is the target's."""
     prop = random_draft(target, 1)
