@@ -188,7 +188,7 @@ def _selector_inputs(cfg, B=3, g=4):
 def test_selector_greedy_is_argmax_path(seed):
     cfg = tiny_config()
     sel, logits, hidden, anchor = _selector_inputs(cfg)
-    out = sel.walk(logits, hidden, anchor, torch.zeros(3))
+    out = sel.walk(sel.candidates(logits), hidden, anchor, torch.zeros(3))
     A, Bc = sel.predecessor_codebook.double(), sel.successor_codebook.double()
     proj = sel.hidden_projection(hidden).double()
     for b in range(3):
@@ -206,7 +206,7 @@ def test_selector_fresh_init_is_top1(seed):
     cfg = tiny_config()
     sel = DFlash2DraftModel(cfg).init_weights().candidate_selector
     logits = torch.randn(2, 4, cfg.vocab_size)
-    out = sel.walk(logits, torch.randn(2, 4, cfg.hidden_size), torch.tensor([1, 2]), torch.zeros(2))
+    out = sel.walk(sel.candidates(logits), torch.randn(2, 4, cfg.hidden_size), torch.tensor([1, 2]), torch.zeros(2))
     assert torch.equal(out.tokens, logits.argmax(-1))
 
 
@@ -216,7 +216,7 @@ def test_selector_sampling_matches_q_product(seed):
     cfg = tiny_config(vocab_size=10, selector_top_k=3, mask_token_id=9)
     sel, logits, hidden, anchor = _selector_inputs(cfg, B=1, g=2)
     n = 20000
-    out = sel.walk(logits.expand(n, -1, -1), hidden.expand(n, -1, -1), anchor.expand(n),
+    out = sel.walk(sel.candidates(logits.expand(n, -1, -1)), hidden.expand(n, -1, -1), anchor.expand(n),
                    torch.full((n,), 0.8), torch.rand(n, 2))
     assert torch.allclose(out.q_draft.sum(-1), torch.ones(n, 2), atol=1e-5)
     # probability of each observed path = q1(x1) * q2(x2 | x1), read from the returned rows

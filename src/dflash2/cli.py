@@ -158,8 +158,9 @@ def cmd_selfcheck(args) -> int:
     c.append(m, torch.randn(12, cfg.fc_in_features), 0)
     out = draft_block(m, [c], torch.tensor([1]), torch.tensor([12]), cfg.block_size,
                       torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size))
-    assert torch.isfinite(out.logits).all()
-    print(f"draft forward ok: logits {tuple(out.logits.shape)}")
+    logits = out.logits
+    assert torch.isfinite(logits).all()
+    print(f"draft forward ok: logits {tuple(logits.shape)}")
     print(inspect_path(str(REPO / "configs" / "kimi-k3.1-dflash2-preview.json")))
     return 0
 

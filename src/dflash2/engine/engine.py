@@ -170,9 +170,8 @@ class LLMEngine:
         if g:
             out, _ = self.runner.draft_logits(reqs, self.width)
             sel_u = torch.stack([torch.rand(g, generator=r.generator) for r in reqs]).to(device)
-            sel = self.draft.candidate_selector.walk(None, out.hidden, anchors, temp, sel_u, top_k, top_p, min_p,
-                                                     candidates=out.candidates(),
-                                                     all_greedy=all(r.sampling.greedy for r in reqs))
+            sel = self.draft.candidate_selector.walk(out.candidates(), out.hidden, anchors, temp, sel_u, top_k, top_p,
+                                                     min_p, all_greedy=all(r.sampling.greedy for r in reqs))
             drafts, q_draft = sel.tokens, sel.dense_q(self.target.lm_head_weight.shape[0])
         else:
             drafts = torch.empty(B, 0, dtype=torch.long, device=device)

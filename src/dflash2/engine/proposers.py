@@ -40,10 +40,9 @@ class DFlashProposer:
         out = draft_block(self.draft, [self.cache], torch.tensor([anchor], device=device),
                           torch.tensor([anchor_pos], device=device), num + 1, self.embed, self.lm_head_weight)
         sel = self.draft.candidate_selector.walk(
-            None, out.hidden, torch.tensor([anchor], device=device),
+            out.candidates(), out.hidden, torch.tensor([anchor], device=device),
             torch.tensor([sampling.temperature], device=device), uniforms[None].to(device),
-            sampling.top_k, sampling.top_p, sampling.min_p, candidates=out.candidates(),
-            all_greedy=sampling.greedy)
+            sampling.top_k, sampling.top_p, sampling.min_p, all_greedy=sampling.greedy)
         # at temperature 0 q is one-hot at each token (the decode loop rebuilds it if a non-greedy
         # verifier asks): skip building a [g, V] tensor each step
         return sel.tokens[0], None if sampling.greedy else sel.dense_q(self.vocab_size)[0]

@@ -55,7 +55,7 @@ class DFlash2DraftModel(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg, self.rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.candidate_selector = CandidateSelector(H, cfg.vocab_size, cfg.selector_rank, cfg.selector_top_k)
-        self._token_map = None  # (ids, head rows of ids, the full head they came from); see set_token_map
+        self._token_map = None  # (ids, head rows of ids, the full head, packed rows or None); see set_token_map
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> "DFlash2DraftModel":
         """Random init for training or tests (normal linears, unit norms, identity convs, top-1 selector)."""
@@ -115,7 +115,7 @@ class DFlash2DraftModel(nn.Module):
         return cap * torch.tanh(logits / cap) if cap else logits
 
     def _mapped(self, lm_head_weight: torch.Tensor):
-        tm = getattr(self, "_token_map", None)
+        tm = self._token_map
         return tm if tm is not None and tm[2] is lm_head_weight else None
 
     def _sub_logits(self, hidden: torch.Tensor, sub_weight: torch.Tensor, packed) -> torch.Tensor:

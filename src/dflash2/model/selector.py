@@ -57,15 +57,15 @@ class CandidateSelector(nn.Module):
         return self.successor_codebook[cand_ids].float() * g_t.unsqueeze(-2)
 
     @torch.no_grad()
-    def walk(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
+    def walk(self, candidates: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, anchor: torch.Tensor,
              temperature: torch.Tensor, uniforms: torch.Tensor | None = None,
-             top_k=-1, top_p=1.0, min_p=0.0, candidates=None, all_greedy: bool | None = None) -> SelectorOutput:
-        """``logits [B, g, V]`` and ``hidden [B, g, H]`` of the draft slots; ``anchor [B]``;
-        ``temperature [B]`` (0 = greedy row); ``uniforms [B, g]`` for the sampled rows.
-        ``candidates``: ``(U, cand)`` already taken (``DFlash2DraftModel.candidates``); then
-        ``logits`` is not read and may be None. ``all_greedy``: whether every temperature is 0, when
-        the caller knows it (reading it from a GPU tensor would stall the launch queue each step)."""
-        U, cand = self.candidates(logits) if candidates is None else candidates
+             top_k=-1, top_p=1.0, min_p=0.0, all_greedy: bool | None = None) -> SelectorOutput:
+        """``candidates``: ``(U, cand)`` per slot, ``[B, g, k]`` each (:meth:`candidates` of the slot
+        logits, or ``DFlash2DraftModel.candidates``); ``hidden [B, g, H]`` of the draft slots;
+        ``anchor [B]``; ``temperature [B]`` (0 = greedy row); ``uniforms [B, g]`` for the sampled rows.
+        ``all_greedy``: whether every temperature is 0, when the caller knows it (reading it from a
+        GPU tensor would stall the launch queue each step)."""
+        U, cand = candidates
         W = self.pair_weights(hidden, cand)
         B, g, k = U.shape
         if all_greedy is None:
