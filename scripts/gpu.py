@@ -214,7 +214,7 @@ def run_training(args, folder: Path, resume: bool) -> dict:
                      draft_config=str(ROOT / "configs" / "smollm2-135m-dflash2.json"), steps=args.steps,
                      batch_size=args.batch_size, max_len=768, anchors_per_seq=args.anchors, lr=args.lr, warmup=200,
                      device="cuda", save_every=1000, eval_every=args.eval_every, eval_prompts=4, resume=resume,
-                     time_limit_s=args.train_seconds, kl_weight=args.kl_weight,
+                     time_limit_s=args.train_seconds, kl_weight=args.kl_weight, selector_kl_weight=args.selector_kl_weight,
                      init_from=str(ROOT / args.init_from) if args.init_from and not resume else None)
     target = load_target(folder, "bfloat16", "cuda")
     res = train(tc, target)
@@ -330,6 +330,7 @@ def main() -> None:
                     help="seed of the first added job (stage 3 used 101-102: a new stage needs new seeds)")
     ap.add_argument("--data-npz", default=None, help="repo-relative data_uint16.npz from an earlier 'prepare'")
     ap.add_argument("--kl-weight", type=float, default=0.0)
+    ap.add_argument("--selector-kl-weight", type=float, default=0.0)
     ap.add_argument("--init-from", default=None, help="draft folder (repo-relative) to start from")
     ap.add_argument("--acc-limit", type=int, default=1319)
     ap.add_argument("--acc-max-tokens", type=int, default=256)

@@ -9,7 +9,7 @@ from dflash2.model import DFlash2DraftModel
 from dflash2.model.checkpoint import load_draft
 from dflash2.target import TargetModel
 from dflash2.training.data import TokenDataset
-from dflash2.training.losses import distill_kl, sample_blocks
+from dflash2.training.losses import distill_kl, sample_blocks, selector_distill
 from dflash2.training.trainer import TrainConfig, heldout_acceptance, train
 
 warnings.filterwarnings("ignore")
@@ -40,6 +40,28 @@ def test_distill_kl_matches_torch():
                                      log_target=True, reduction="none").sum(-1)
     torch.testing.assert_close(distill_kl(q_logits, p_logits, w), (ref * w).sum() / w.sum())
     assert distill_kl(p_logits, p_logits, w).abs() < 1e-6
+
+
+def test_selector_distill_is_kl_over_candidates():
+    torch.manual_seed(0)
+    V, k = 13, 4
+    p_logits = torch.randn(2, 3, V)
+    cand = torch.stack([torch.randperm(V)[:k] for _ in range(6)]).view(2, 3, k)
+    w = torch.rand(2, 3)
+    # the renormalised target over the candidates, by hand
+    p_c = torch.softmax(p_logits, -1).gather(-1, cand)
+    p_c = p_c / p_c.sum(-1, keepdim=True)
+    scores = torch.randn(2, 3, k)
+    ref = (p_c * (p_c.log() - torch.log_softmax(scores, -1))).sum(-1)
+    torch.testing.assert_close(selector_distill(scores, cand, p_logits, w), (ref * w).sum() / w.sum())
+    # zero exactly when the selector matches the target there (logits of the target, any shift)
+    matched = p_logits.gather(-1, cand) + 3.0
+    assert selector_distill(matched, cand, p_logits, w).abs() < 1e-6
+    # mass outside the candidates does not count: raising a non-candidate's logit changes nothing
+    outside = torch.ones(V, dtype=torch.bool); outside[cand[0, 0]] = False
+    bumped = p_logits.clone(); bumped[0, 0, outside.nonzero()[0]] += 5.0
+    w1 = torch.zeros(2, 3); w1[0, 0] = 1
+    torch.testing.assert_close(selector_distill(scores, cand, bumped, w1), selector_distill(scores, cand, p_logits, w1))
 
 
 def test_train_end_to_end(tmp_path):
@@ -73,6 +95,8 @@ def test_train_end_to_end(tmp_path):
     assert train(tc, target=target)["steps"] == 170
     # init_from + distillation: starts from the trained weights (CE far below a fresh start), KL logged
     tc2 = TrainConfig(**{**tc.__dict__, "output_dir": str(tmp_path / "distilled"), "resume": False, "steps": 10,
-                         "init_from": str(tmp_path / "draft"), "kl_weight": 1.0, "eval_every": 0, "warmup": 1})
+                         "init_from": str(tmp_path / "draft"), "kl_weight": 1.0, "selector_kl_weight": 1.0,
+                         "eval_every": 0, "warmup": 1})
     h2 = train(tc2, target=target)["history"]
     assert h2[0]["ce"] < first - 0.5 and all(0 < r["kl"] < 50 for r in h2)
+    assert all(0 < r["selector_kl"] < 20 for r in h2)

@@ -169,7 +169,7 @@ def cmd_train(args) -> int:
     from .training.trainer import TrainConfig, train
     overrides = {k: getattr(args, k) for k in ("data", "output_dir", "draft_config", "target_path", "steps",
                                                "batch_size", "lr", "device", "resume", "max_len", "kl_weight",
-                                               "init_from")}
+                                               "selector_kl_weight", "init_from")}
     if args.config:
         tc = TrainConfig.from_file(args.config, **overrides)
     else:
@@ -239,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", default=None)
     p.add_argument("--init-from", help="start from these draft weights (a published-layout folder)")
     p.add_argument("--kl-weight", type=float, help="add KL(p_target || q_draft) distillation with this weight (default 0)")
+    p.add_argument("--selector-kl-weight", type=float,
+                   help="add the selector's KL to p_target over its candidates with this weight (default 0)")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("prepare-data", help="answer training prompts with the target itself")
     p.add_argument("--model-path"); p.add_argument("--dtype", default="auto"); p.add_argument("--device", default="cpu")

@@ -58,15 +58,21 @@ class LossOutput:
     top1_acc: float
     cand_recall: float
     kl: torch.Tensor | None = None
+    selector_kl: torch.Tensor | None = None
 
 
 def draft_loss(draft: DFlash2DraftModel, features: torch.Tensor, valid: torch.Tensor, blocks: Blocks,
                embed: torch.nn.Module, lm_head_weight: torch.Tensor, selector_weight: float = 1.0,
-               target_logits: torch.Tensor | None = None, kl_weight: float = 0.0) -> LossOutput:
+               target_logits: torch.Tensor | None = None, kl_weight: float = 0.0,
+               selector_kl_weight: float = 0.0) -> LossOutput:
     """``target_logits [B, N, w-1, V]``: the target's own next-token logits at each slot's label
     position; with ``kl_weight > 0`` the loss adds KL(p_target || q_draft) at temperature 1, a
     distillation term beyond the spec's recipe that teaches the whole distribution (what sampled
-    acceptance, sum_x min(p_target, q_draft), rewards) rather than one sampled token."""
+    acceptance, sum_x min(p_target, q_draft), rewards) rather than one sampled token.
+    ``selector_kl_weight > 0`` does the same for the selector: its softmax over the k candidates
+    (scored with the true predecessor) against p_target renormalised over those candidates. At
+    temperature 1 the selector's distribution *is* q_draft, so this is the term that moves sampled
+    acceptance; hard labels alone (half of them greedy answers) teach it to be too sharp."""
     cfg = draft.config
     B, T, _ = features.shape
     _, N, w = blocks.block_ids.shape
@@ -99,18 +105,32 @@ def draft_loss(draft: DFlash2DraftModel, features: torch.Tensor, valid: torch.Te
     sel_tok = F.cross_entropy(S.flatten(0, 2), tgt.flatten(), reduction="none")
     sw = blocks.weights.flatten() * present.flatten().float()
     selector = (sel_tok * sw).sum() / sw.sum().clamp_min(1e-6)
+    sel_kl = logits.new_zeros(())
+    if selector_kl_weight > 0 and target_logits is not None:
+        sel_kl = selector_distill(S, cand, target_logits, blocks.weights)
     with torch.no_grad():
         m = blocks.weights > 0
         top1 = ((logits.argmax(-1) == blocks.labels) & m).sum().item() / max(m.sum().item(), 1)
         recall = (present & m).sum().item() / max(m.sum().item(), 1)
-    return LossOutput(ce + selector_weight * selector + kl_weight * kl, ce.detach(), selector.detach(), top1, recall,
-                      kl.detach())
+    loss = ce + selector_weight * selector + kl_weight * kl + selector_kl_weight * sel_kl
+    return LossOutput(loss, ce.detach(), selector.detach(), top1, recall, kl.detach(), sel_kl.detach())
 
 
 def distill_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weighted mean over slots of KL(p_target || q_draft), both at temperature 1."""
     logp_target = torch.log_softmax(target_logits.float(), -1)
     kl_tok = (logp_target.exp() * (logp_target - torch.log_softmax(draft_logits.float(), -1))).sum(-1)
+    return (kl_tok * weights).sum() / weights.sum().clamp_min(1e-6)
+
+
+def selector_distill(scores: torch.Tensor, cand: torch.Tensor, target_logits: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:
+    """Weighted mean over slots of KL(p_target | candidates || softmax(scores)): ``scores`` and
+    ``cand`` ``[..., k]``; p_target at temperature 1, restricted to the candidates and renormalised
+    (the best any distribution over these k tokens can do is match it there)."""
+    logp_target = torch.log_softmax(target_logits.float(), -1).gather(-1, cand)
+    logp_target = logp_target - torch.logsumexp(logp_target, -1, keepdim=True)
+    kl_tok = (logp_target.exp() * (logp_target - torch.log_softmax(scores.float(), -1))).sum(-1)
     return (kl_tok * weights).sum() / weights.sum().clamp_min(1e-6)
 
 

@@ -36,6 +36,7 @@ class TrainConfig:
     gamma: float = 7.0
     selector_weight: float = 1.0
     kl_weight: float = 0.0              # > 0: add KL(p_target || q_draft) distillation (beyond spec section 7)
+    selector_kl_weight: float = 0.0     # > 0: the same for the selector's distribution over its candidates
     init_from: str | None = None        # start from these draft weights (a published-layout folder)
     seed: int = 0
     device: str = "cpu"
@@ -142,7 +143,7 @@ def train(tc: TrainConfig, target=None) -> dict:
             feats = torch.cat([target._captured[i] for i in target.layer_ids], -1)
         blocks = sample_blocks(ids, loss_mask, tc.anchors_per_seq, width, cfg.mask_token_id, tc.gamma)
         tgt_logits = None
-        if tc.kl_weight > 0:  # row t of the target's logits predicts token t+1: slot k's label sits at a+k
+        if tc.kl_weight > 0 or tc.selector_kl_weight > 0:  # row t of the target's logits predicts token t+1: slot k's label sits at a+k
             rows = (blocks.positions[..., :-1]).clamp(max=ids.shape[1] - 1).flatten(1)
             tgt_logits = tout.logits[torch.arange(ids.shape[0], device=device)[:, None], rows]
             tgt_logits = tgt_logits.view(*blocks.labels.shape, -1)
@@ -151,7 +152,7 @@ def train(tc: TrainConfig, target=None) -> dict:
             g["lr"] = lr_at(step, tc.steps, tc.warmup, tc.lr, tc.min_lr_ratio)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
             lo = draft_loss(draft, feats, valid, blocks, target.embed, target.lm_head_weight, tc.selector_weight,
-                            tgt_logits, tc.kl_weight)
+                            tgt_logits, tc.kl_weight, tc.selector_kl_weight)
         opt.zero_grad(set_to_none=True)
         lo.loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), tc.grad_clip)
@@ -160,6 +161,7 @@ def train(tc: TrainConfig, target=None) -> dict:
         tokens_seen += int(valid.sum())
         rec = {"step": step, "loss": lo.loss.item(), "ce": lo.ce.item(), "selector": lo.selector.item(),
                "kl": lo.kl.item() if lo.kl is not None else 0.0,
+               "selector_kl": lo.selector_kl.item() if lo.selector_kl is not None else 0.0,
                "top1": lo.top1_acc, "recall": lo.cand_recall, "grad_norm": float(gnorm)}
         history.append(rec)
         elapsed = time.perf_counter() - t_start
