@@ -260,6 +260,66 @@ def test_packed_draft_keeps_logits():
         torch.testing.assert_close(run(), ref, rtol=1e-4, atol=1e-4)
 
 
+def test_int8_cpu_linear_is_close_and_follows_updates():
+    """w8a8_int8 weights approximate ``F.linear`` (per-channel int8, dynamic activations), repack
+    after an in-place update, and leave autograd to ``F.linear``."""
+    from dflash2.model.cpu_linear import Int8Weight, int8_available, packed_or_none
+    if not int8_available():
+        pytest.skip("this torch build has no fbgemm/x86 quantized engine")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 64, generator=g)
+    q = Int8Weight(w)
+    for shape in ((1, 64), (5, 64), (2, 8, 64)):
+        x = torch.randn(*shape, generator=g)
+        ref = torch.nn.functional.linear(x, w)
+        out = q(x)
+        assert out.shape == ref.shape
+        err = (out - ref).norm() / ref.norm()
+        assert 0 < err < 0.03, err  # quantised (not exact), but close
+    with torch.no_grad():
+        w.mul_(-2.0)
+    x = torch.randn(4, 64, generator=g)
+    ref = torch.nn.functional.linear(x, w)
+    assert (q(x) - ref).norm() / ref.norm() < 0.03
+    wt = torch.randn(8, 64, requires_grad=True)
+    x = torch.randn(3, 64)
+    Int8Weight(wt)(x).sum().backward()  # trainable weight: exact F.linear, gradients flow
+    torch.testing.assert_close(wt.grad, x.sum(0).expand(8, 64).contiguous())
+    with pytest.raises(ValueError, match="unknown quantization"):
+        packed_or_none(w, "int3")
+
+
+def test_int8_draft_stays_lossless_and_keeps_fc_exact():
+    """The w8a8_int8 drafter: layers and head rows quantised (logits move a little), ``fc`` left in
+    fp32 (its input has outlier channels), and greedy decoding still equals the target's."""
+    from dflash2.model.cpu_linear import Int8Weight, int8_available
+    if not int8_available():
+        pytest.skip("this torch build has no fbgemm/x86 quantized engine")
+    t = TargetModel(build("llama", seed=5), layer_ids=[0, 2])
+    prop = random_draft(t, 1)
+    draft = prop.draft.eval()
+    draft.set_token_map(torch.arange(0, VOCAB, 2), t.lm_head_weight)
+    with pytest.raises(ValueError, match="unknown draft quantization"):
+        draft.pack_cpu_linears("fp4")
+    feats = torch.randn(3, draft.config.fc_in_features)
+    with torch.no_grad():
+        fc_ref = torch.nn.functional.linear(feats, draft.fc.weight)
+        x = torch.randn(5, draft.config.hidden_size)
+        up_ref = torch.nn.functional.linear(x, draft.layers[0].mlp.up_proj.weight)
+        assert draft.pack_cpu_linears("w8a8_int8") > 0
+        assert isinstance(draft._token_map[3], Int8Weight)
+        torch.testing.assert_close(draft.fc(feats), fc_ref, rtol=1e-5, atol=1e-5)
+        up = draft.layers[0].mlp.up_proj(x)
+        assert 0 < (up - up_ref).norm() / up_ref.norm() < 0.03
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        prompt = torch.randint(3, VOCAB, (8,), generator=g)
+        ref = hf_greedy(t, prompt, 20)
+        for method in ("greedy", "block"):
+            r = speculative_generate(t, prop, prompt, SamplingParams(max_new_tokens=20), width=5, verify_method=method)
+            assert r.token_ids == ref
+
+
 def test_kda_per_position_states_match_reference():
     """The recording kernel equals transformers' own recurrent KDA, and its state after i tokens
     equals the reference run on the first i tokens."""

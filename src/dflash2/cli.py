@@ -24,6 +24,10 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--speculative-token-map", default=None,
                     help="draft vocabulary subset (.pt or .json ids); default: token_map.pt beside the drafter "
                          "when present; 'none' scores the full vocabulary")
+    ap.add_argument("--speculative-draft-model-quantization", default="none", choices=["none", "w8a8_int8"],
+                    help="w8a8_int8: the drafter's layers and head rows in int8 on the CPU (fp32 only; "
+                         "lossless, since the target verifies; the draft step gets cheaper, acceptance "
+                         "may move a little)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--trust-remote-code", action="store_true")
@@ -58,7 +62,8 @@ def load_models(args):
                                  progress=False):
                 raise CheckpointError(f"{path}: refused, the files do not match {args.verify_manifest}")
         draft = load_draft(path, device=args.device, dtype=resolve_dtype(args.dtype, args.device))
-        draft.pack_cpu_linears()  # inference only: a no-op off the CPU or in bf16
+        # inference only: a no-op off the CPU or in bf16
+        draft.pack_cpu_linears(getattr(args, "speculative_draft_model_quantization", "none"))
         width = draft.config.block_size
         if args.speculative_num_draft_tokens is not None:
             if args.speculative_num_draft_tokens < 2:

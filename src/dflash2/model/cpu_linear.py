@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import types
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -61,23 +62,65 @@ class PackedWeight:
         return out.reshape(*x.shape[:-1], self.weight.shape[0])
 
 
-def packed_or_none(weight: torch.Tensor) -> PackedWeight | None:
-    """A packed weight where oneDNN can take it (CPU, fp32), else ``None``."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_available():
+class Int8Weight:
+    """``w8a8_int8``: the weight quantised once per output channel (symmetric int8), activations
+    per call (fbgemm's dynamic linear); called like ``F.linear(x, weight)``, approximately. For the
+    drafter only: its Linears are memory-bound at a few rows, and int8 reads a quarter of the
+    bytes. The target is never quantised (it defines the output; the drafter only proposes)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self._pack()
+
+    def _pack(self) -> None:
+        self.version = self.weight._version
+        w = self.weight.detach().float()
+        scale = (w.abs().amax(1) / 127).clamp_min(1e-12).double()
+        with warnings.catch_warnings():  # PyTorch 2.13 marks quantized tensors deprecated; the ops still run
+            warnings.simplefilter("ignore", UserWarning)
+            qw = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+            self.packed = torch.ops.quantized.linear_prepack(qw, None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or (torch.is_grad_enabled() and
+                                                                  (x.requires_grad or self.weight.requires_grad)):
+            return F.linear(x, self.weight)
+        if self.weight._version != self.version:
+            self._pack()
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.ops.quantized.linear_dynamic(flat, self.packed, True)  # reduce_range: x86 fbgemm
+        return out.reshape(*x.shape[:-1], self.weight.shape[0])
+
+
+QUANTIZATIONS = ("none", "w8a8_int8")
+
+
+def int8_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines or "x86" in torch.backends.quantized.supported_engines
+
+
+def packed_or_none(weight: torch.Tensor, quantization: str = "none") -> PackedWeight | Int8Weight | None:
+    """A packed weight where oneDNN (or, for ``w8a8_int8``, fbgemm) can take it (CPU, fp32), else ``None``."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose from {QUANTIZATIONS}")
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     try:
-        return PackedWeight(weight)
-    except RuntimeError:  # an op this build lacks at run time: keep PyTorch's path
+        if quantization == "w8a8_int8" and int8_available():
+            return Int8Weight(weight)
+        return PackedWeight(weight) if onednn_available() else None
+    except (RuntimeError, AttributeError):  # an op this build lacks at run time: keep PyTorch's path
         return None
 
 
-def pack_linears(module: torch.nn.Module) -> int:
-    """Route every bias-free fp32 CPU ``nn.Linear`` under ``module`` through a packed weight.
-    Returns how many were switched (0 off the CPU, in bf16, or without oneDNN)."""
+def pack_linears(module: torch.nn.Module, quantization: str = "none") -> int:
+    """Route every bias-free fp32 CPU ``nn.Linear`` under ``module`` through a packed weight
+    (``quantization="w8a8_int8"``: an int8 one). Returns how many were switched (0 off the CPU,
+    in bf16, or without oneDNN)."""
     n = 0
     for mod in module.modules():
         if type(mod) is torch.nn.Linear and mod.bias is None:
-            packed = packed_or_none(mod.weight)
+            packed = packed_or_none(mod.weight, quantization)
             if packed is not None:
                 mod.forward = types.MethodType(lambda m, x, _p=packed: _p(x), mod)
                 n += 1
