@@ -41,6 +41,10 @@ Stage 4 (sixth session, 20.3 device-minutes): the same 4 calls from stage 3's da
 new samples); exact commands in models/smollm2-135m-dflash2/README.md. The prepare call returns the
 joined data as $OUT/data_uint16.npz (kept locally as work/data4_uint16.npz, 37,892 sequences).
 
+Stage 5 (seventh session, 23.2 device-minutes): the same 4 calls on stage 4's data, no new answers
+(--data-npz work/data4_uint16.npz --selector-kl-weight 1.0); exact commands in the drafter's README.
+A stage 6 with new answers needs --add-seed 301 and --add-sharegpt-offset 4000.
+
 The tracked tree plus what a call carries must stay under 64 MiB: with the 45 MB drafter in
 models/, move its model.safetensors aside for the two stash calls (it is needed again for --init-from).
 Everything between calls lives in ~/stash (kept only while the machine stays warm, 30 s).

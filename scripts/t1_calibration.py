@@ -1,30 +1,60 @@
-# teacher-forced per-slot token-level acceptance sum_x min(p_target, q_draft) at T=1/top-p .95,
-# for several draft distributions (selector at temperature tau; dense draft logits)
-import json, sys, torch, warnings
+"""Teacher-forced sampled acceptance of the drafter, per slot (CPU, fp32).
+
+For T=1 / top-p 0.95 answers of the target itself to GSM8K test prompts, every response position is
+an anchor; for slot k the token-level acceptance is sum_x min(p_target, q_draft) with the true
+predecessor (what the selector sees when slot k-1 was accepted). Compares the selector's q at several
+temperatures, the dense draft logits without the selector, and the ceiling of a selector that matched
+p_target on its own candidates (= p_target's mass on them). AL estimates: 1 + mean over anchors of
+sum_k prod_{j<=k} a_j.
+
+Usage: python scripts/t1_calibration.py SEQS.json [DRAFT_DIR] [--generate N --offset O]
+  --generate: first answer N prompts (from O) with the target at T=1 / top-p 0.95 into SEQS.json.
+The seventh session ran --generate 24 --offset 200 (prompts outside the first-200 evaluation);
+its output is docs/cpu_2026-11-30d/teacher_forced_t1.txt.
+"""
+import argparse
+import json
+import warnings
+
+import torch
+
 warnings.filterwarnings("ignore")
 torch.set_num_threads(2)
-from dflash2.cli import DEFAULT_DRAFT
+from dflash2.cli import DEFAULT_DRAFT, REPO
 from dflash2.model import build_block_mask
 from dflash2.model.checkpoint import load_draft
-from dflash2.model.token_map import load_token_map
+from dflash2.model.token_map import DEFAULT_NAME, load_token_map
 from dflash2.target.loading import load_target
+from dflash2.training.data import gsm8k_prompts, render
 from dflash2.verification.logits import probs_from_logits
-torch.manual_seed(0)
-draft_dir = sys.argv[2] if len(sys.argv) > 2 else DEFAULT_DRAFT
-draft = load_draft(draft_dir, dtype=torch.float32).eval()
+
+ap = argparse.ArgumentParser()
+ap.add_argument("seqs"); ap.add_argument("draft", nargs="?", default=str(DEFAULT_DRAFT))
+ap.add_argument("--generate", type=int, default=0); ap.add_argument("--offset", type=int, default=200)
+args = ap.parse_args()
+draft = load_draft(args.draft, dtype=torch.float32).eval()
 target = load_target(None, "float32", layer_ids=draft.config.target_layer_ids)
-draft.set_token_map(load_token_map(f"{DEFAULT_DRAFT}/token_map.pt", draft.config.vocab_size), target.lm_head_weight)
-seqs = json.load(open(sys.argv[1]))
+if args.generate:
+    prompts = gsm8k_prompts(REPO.parent / "shared/data/gsm8k/test.jsonl", args.offset + args.generate)[args.offset:]
+    rows = []
+    for i, p in enumerate(prompts):
+        ids = torch.tensor(render(target.tokenizer, p))
+        torch.manual_seed(1000 + i)
+        g = target.model.generate(ids[None], do_sample=True, temperature=1.0, top_p=0.95, top_k=0, max_new_tokens=160)
+        rows.append({"ids": g[0].tolist(), "prompt_len": len(ids)})
+    json.dump(rows, open(args.seqs, "w"))
+draft.set_token_map(load_token_map(f"{DEFAULT_DRAFT}/{DEFAULT_NAME}", draft.config.vocab_size), target.lm_head_weight)
 W, G = 8, 7
 TAUS = [0.7, 0.85, 1.0, 1.15, 1.3, 1.5]
 acc = {f"sel{t}": [] for t in TAUS}
 acc.update({f"dense{t}": [] for t in [0.85, 1.0, 1.15, 1.3]})
-acc["oracle_cand"] = []; acc["recall_p"] = []
+acc["oracle_cand"] = []
 sel = draft.candidate_selector
 with torch.no_grad():
-    for s in seqs:
+    for s in json.load(open(args.seqs)):
         ids = torch.tensor(s["ids"])[None]; P0 = s["prompt_len"]; T = ids.shape[1]
-        if T - G - P0 < 8: continue
+        if T - G - P0 < 8:
+            continue
         target._captured.clear()
         tl = target.model(input_ids=ids, use_cache=False).logits[0].float()
         feats = torch.cat([target._captured[i] for i in target.layer_ids], -1)
@@ -42,25 +72,17 @@ with torch.no_grad():
         U, cand = draft.candidates(hid, target.lm_head_weight)              # [N, G, k]
         labels = ids[0, pos[:, 1:]]                                           # [N, G]
         pred = torch.cat([ids[0, anchors][:, None], labels[:, :-1]], 1)
-        Wp = sel.pair_weights(hid, cand)
-        S = U + torch.einsum("ngkr,ngr->ngk", Wp, sel.predecessor_codebook[pred].float())
-        p_t = probs_from_logits(tl[pos[:, :-1]], 1.0, -1, 0.95)             # [N, G, V] target at slot k
-        p_c = p_t.gather(-1, cand)
+        S = U + torch.einsum("ngkr,ngr->ngk", sel.pair_weights(hid, cand), sel.predecessor_codebook[pred].float())
+        p_target = probs_from_logits(tl[pos[:, :-1]], 1.0, -1, 0.95)        # [N, G, V] at slot k's position
+        p_cand = p_target.gather(-1, cand)
         for t in TAUS:
-            q = probs_from_logits(S, t, -1, 0.95)
-            acc[f"sel{t}"].append(torch.minimum(p_c, q).sum(-1))
-        dl = draft.compute_logits(hid, target.lm_head_weight)
+            acc[f"sel{t}"].append(torch.minimum(p_cand, probs_from_logits(S, t, -1, 0.95)).sum(-1))
+        dense = draft.compute_logits(hid, target.lm_head_weight)
         for t in [0.85, 1.0, 1.15, 1.3]:
-            q = probs_from_logits(dl, t, -1, 0.95)
-            acc[f"dense{t}"].append(torch.minimum(p_t, q).sum(-1))
-        acc["oracle_cand"].append(p_c.sum(-1))   # q = p_target restricted to the candidates, renormalised -> accept = mass
-        acc["recall_p"].append(p_c.sum(-1))
-        print(len(acc["oracle_cand"]), N, flush=True)
-res = {}
+            acc[f"dense{t}"].append(torch.minimum(p_target, probs_from_logits(dense, t, -1, 0.95)).sum(-1))
+        acc["oracle_cand"].append(p_cand.sum(-1))  # q = p_target on the candidates, renormalised
 for k, v in acc.items():
-    a = torch.cat(v)                                       # [Nall, G]
+    a = torch.cat(v)                                                          # [anchors, G]
     al5 = 1 + torch.cumprod(a[:, :4], 1).sum(1).mean().item()
     al8 = 1 + torch.cumprod(a, 1).sum(1).mean().item()
-    res[k] = {"slot": [round(x, 3) for x in a.mean(0).tolist()], "al5_est": round(al5, 3), "al8_est": round(al8, 3)}
-    print(k, res[k])
-json.dump(res, open(sys.argv[1] + ".res.json", "w"), indent=1)
+    print(k, {"slot": [round(x, 3) for x in a.mean(0).tolist()], "al5_est": round(al5, 3), "al8_est": round(al8, 3)})
