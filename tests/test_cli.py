@@ -37,9 +37,32 @@ def test_generate_default_fp32_lossless():
     base = json.loads(run("generate", "--prompt", prompt, "--max-new-tokens", "48", "--dtype", "float32",
                           "--speculative-algorithm", "NONE", "--json").stdout.strip().splitlines()[-1])
     assert spec["token_ids"] == base["token_ids"]
+    # the default drafter on the CPU is int8 (auto); the fp32 one gives the same tokens too
+    fp32 = json.loads(run("generate", "--prompt", prompt, "--max-new-tokens", "48", "--dtype", "float32",
+                          "--speculative-draft-model-quantization", "none", "--json").stdout.strip().splitlines()[-1])
+    assert fp32["token_ids"] == base["token_ids"]
     assert spec["completion_tokens"] == len(spec["token_ids"])
     assert spec["accept_length"] > 1.5  # the shipped drafter really drafts
     assert set(spec) >= {"text", "token_ids", "completion_tokens", "verify_steps", "accept_length", "tokens_per_s"}
+
+
+def test_draft_quantization_auto_is_int8_on_cpu_fp32_only():
+    import torch
+    from dflash2.cli import build_parser, load_models
+    from dflash2.model.cpu_linear import Int8Weight, PackedWeight, int8_available
+    if not int8_available():
+        pytest.skip("this torch build has no fbgemm/x86 quantized engine")
+    for extra, kind in (([], Int8Weight), (["--speculative-draft-model-quantization", "none"], PackedWeight),
+                        (["--speculative-draft-model-quantization", "w8a8_int8"], Int8Weight)):
+        args = build_parser().parse_args(["generate", "--prompt", "x", "--dtype", "float32", *extra])
+        _, draft, _ = load_models(args)
+        assert isinstance(draft._token_map[3], kind), extra
+        x = torch.randn(2, draft.config.fc_in_features)
+        with torch.no_grad():  # fc stays fp32 in every case (its input has outlier channels)
+            torch.testing.assert_close(draft.fc(x), torch.nn.functional.linear(x, draft.fc.weight), rtol=1e-4, atol=1e-4)
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--dtype", "bfloat16"])
+    _, draft, _ = load_models(args)
+    assert draft._token_map[3] is None  # bf16: nothing packed, nothing quantised
 
 
 def test_corrupt_drafter_is_a_clear_error(tmp_path):
