@@ -46,7 +46,15 @@ def test_generate_default_fp32_lossless():
     assert set(spec) >= {"text", "token_ids", "completion_tokens", "verify_steps", "accept_length", "tokens_per_s"}
 
 
-def test_draft_quantization_auto_is_int8_on_cpu_fp32_only():
+@pytest.fixture
+def restore_grad_mode():
+    import torch
+    mode = torch.is_grad_enabled()
+    yield
+    torch.set_grad_enabled(mode)  # load_models turns autograd off for the process; later tests train
+
+
+def test_draft_quantization_auto_is_int8_on_cpu_fp32_only(restore_grad_mode):
     import torch
     from dflash2.cli import build_parser, load_models
     from dflash2.model.cpu_linear import Int8Weight, PackedWeight, int8_available
