@@ -57,20 +57,18 @@ class PackedWeight:
             return F.linear(x, self.weight)
         if self.weight._version != self.version:
             self._pack()
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, None, "none", [], "")
+        out = self._matmul(x.reshape(-1, x.shape[-1]).contiguous())
         return out.reshape(*x.shape[:-1], self.weight.shape[0])
 
+    def _matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(flat, self.packed, None, "none", [], "")
 
-class Int8Weight:
+
+class Int8Weight(PackedWeight):
     """``w8a8_int8``: the weight quantised once per output channel (symmetric int8), activations
     per call (fbgemm's dynamic linear); called like ``F.linear(x, weight)``, approximately. For the
     drafter only: its Linears are memory-bound at a few rows, and int8 reads a quarter of the
     bytes. The target is never quantised (it defines the output; the drafter only proposes)."""
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight
-        self._pack()
 
     def _pack(self) -> None:
         self.version = self.weight._version
@@ -81,15 +79,8 @@ class Int8Weight:
             qw = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
             self.packed = torch.ops.quantized.linear_prepack(qw, None)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or (torch.is_grad_enabled() and
-                                                                  (x.requires_grad or self.weight.requires_grad)):
-            return F.linear(x, self.weight)
-        if self.weight._version != self.version:
-            self._pack()
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        out = torch.ops.quantized.linear_dynamic(flat, self.packed, True)  # reduce_range: x86 fbgemm
-        return out.reshape(*x.shape[:-1], self.weight.shape[0])
+    def _matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(flat, self.packed, True)  # reduce_range: x86 fbgemm
 
 
 QUANTIZATIONS = ("none", "w8a8_int8")

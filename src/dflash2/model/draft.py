@@ -114,9 +114,7 @@ class DFlash2DraftModel(nn.Module):
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown draft quantization {quantization!r}; choose from {QUANTIZATIONS}")
         self._quantization = quantization
-        n = pack_linears(self)
-        if quantization != "none":
-            n = pack_linears(self.layers, quantization) + pack_linears(self.fc) + pack_linears(self.candidate_selector)
+        n = pack_linears(self.layers, quantization) + pack_linears(self.fc) + pack_linears(self.candidate_selector)
         if self._token_map is not None:
             ids, sub_weight, head, _ = self._token_map
             self._token_map = (ids, sub_weight, head, packed_or_none(sub_weight, quantization))
