@@ -188,6 +188,8 @@ def _selector_inputs(cfg, B=3, g=4):
 def test_selector_greedy_is_argmax_path(seed):
     cfg = tiny_config()
     sel, logits, hidden, anchor = _selector_inputs(cfg)
+    with torch.no_grad():  # a pair term as large as the unary gaps, so a wrong predecessor changes the path
+        sel.successor_codebook.mul_(4)
     out = sel.walk(sel.candidates(logits), hidden, anchor, torch.zeros(3))
     A, Bc = sel.predecessor_codebook.double(), sel.successor_codebook.double()
     proj = sel.hidden_projection(hidden).double()
@@ -200,6 +202,31 @@ def test_selector_greedy_is_argmax_path(seed):
             assert int(out.tokens[b, t]) == best
             prev = best
     assert torch.equal(out.q_draft.max(-1).values, torch.ones(3, 4))
+
+
+def test_selector_sampled_q_is_softmax_of_pair_scores(seed):
+    """Each returned q row is the processed softmax of S_t(prev, .) for the predecessor the walk
+    actually took; a temperature-0 row in the same batch stays on its greedy path with one-hot q."""
+    from dflash2.verification.logits import probs_from_logits
+    cfg = tiny_config()
+    sel, logits, hidden, anchor = _selector_inputs(cfg)
+    temp, top_p = torch.tensor([0.8, 0.0, 1.3]), torch.tensor([0.9, 1.0, 1.0])
+    out = sel.walk(sel.candidates(logits), hidden, anchor, temp, torch.rand(3, 4), -1, top_p)
+    greedy = sel.walk(sel.candidates(logits), hidden, anchor, torch.zeros(3))
+    assert torch.equal(out.tokens[1], greedy.tokens[1])
+    assert torch.equal(out.q_draft[1], greedy.q_draft[1])
+    A, Bc = sel.predecessor_codebook.double(), sel.successor_codebook.double()
+    proj = sel.hidden_projection(hidden).double()
+    for b in (0, 2):
+        prev = int(anchor[b])
+        for t in range(4):
+            cands = out.cand_ids[b, t]
+            S = logits[b, t, cands].double() + (A[prev] * proj[b, t] * Bc[cands]).sum(-1)
+            ref = probs_from_logits(S.float(), float(temp[b]), -1, float(top_p[b]))
+            assert torch.allclose(out.q_draft[b, t], ref, atol=1e-5), (b, t)
+            j = int((cands == out.tokens[b, t]).nonzero()[0, 0])
+            assert out.q_draft[b, t, j] > 0  # the chosen token had mass
+            prev = int(out.tokens[b, t])
 
 
 def test_selector_fresh_init_is_top1(seed):
