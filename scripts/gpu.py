@@ -308,7 +308,8 @@ def stage_bench(args, draft_dir: Path | None = None) -> None:
         cmd = cli + ["bench", "speed"] + common + gsm + [
             "--limit", "128", "--max-new-tokens", "64", "--requests-per-slot", "2", "--widths", args.speed_widths,
             "--verifiers", args.speed_verifiers,
-            "--concurrency", args.concurrency, "--rounds", str(args.rounds), "--temperature", "0",
+            "--concurrency", args.concurrency, "--rounds", str(args.rounds),
+            "--temperature", str(args.speed_temperature),
             "--output", str(OUT / "speed_conc.json"),
             "--plot", str(OUT / "speed_conc.png")]
         log("engine speed")
@@ -345,6 +346,7 @@ def main() -> None:
     ap.add_argument("--speed-widths", default="5,8")
     ap.add_argument("--rounds", type=int, default=3, help="speed: rotated repeats per config (rows are noisy)")
     ap.add_argument("--speed-verifiers", default="token,block", help="order of the rows, e.g. block,token")
+    ap.add_argument("--speed-temperature", type=float, default=0.0, help="speed rows' temperature (bench speed samples with top-p 0.95)")
     ap.add_argument("--train-seconds", type=float, default=0)
     ap.add_argument("--steps", type=int, default=6000)
     ap.add_argument("--batch-size", type=int, default=32)
