@@ -3,7 +3,7 @@
 For T=1 / top-p 0.95 answers of the target itself to GSM8K test prompts, every response position is
 an anchor; for slot k the token-level acceptance is sum_x min(p_target, q_draft) with the true
 predecessor (what the selector sees when slot k-1 was accepted). Compares the selector's q at several
-temperatures, the dense draft logits without the selector, and the ceiling of a selector that matched
+temperatures and top-p values, the dense draft logits without the selector, and the ceiling of a selector that matched
 p_target on its own candidates (= p_target's mass on them). AL estimates: 1 + mean over anchors of
 sum_k prod_{j<=k} a_j.
 
@@ -48,6 +48,7 @@ W, G = 8, 7
 TAUS = [0.7, 0.85, 1.0, 1.15, 1.3, 1.5]
 acc = {f"sel{t}": [] for t in TAUS}
 acc.update({f"dense{t}": [] for t in [0.85, 1.0, 1.15, 1.3]})
+acc.update({f"sel_q_top_p{tp}": [] for tp in [1.0, 0.9, 0.8, 0.7]})  # q truncated at its own top-p
 acc["oracle_cand"] = []
 sel = draft.candidate_selector
 with torch.no_grad():
@@ -77,6 +78,8 @@ with torch.no_grad():
         p_cand = p_target.gather(-1, cand)
         for t in TAUS:
             acc[f"sel{t}"].append(torch.minimum(p_cand, probs_from_logits(S, t, -1, 0.95)).sum(-1))
+        for tp in [1.0, 0.9, 0.8, 0.7]:  # p_target keeps the request's 0.95; decoding truncates q at it too
+            acc[f"sel_q_top_p{tp}"].append(torch.minimum(p_cand, probs_from_logits(S, 1.0, -1, tp)).sum(-1))
         dense = draft.compute_logits(hid, target.lm_head_weight)
         for t in [0.85, 1.0, 1.15, 1.3]:
             acc[f"dense{t}"].append(torch.minimum(p_target, probs_from_logits(dense, t, -1, 0.95)).sum(-1))
