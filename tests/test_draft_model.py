@@ -227,6 +227,8 @@ def test_selector_sampled_q_is_softmax_of_pair_scores(seed):
             j = int((cands == out.tokens[b, t]).nonzero()[0, 0])
             assert out.q_draft[b, t, j] > 0  # the chosen token had mass
             prev = int(out.tokens[b, t])
+    with pytest.raises(ValueError, match="uniforms"):  # a sampled row without draws would return a q it did not use
+        sel.walk(sel.candidates(logits), hidden, anchor, temp)
 
 
 def test_selector_fresh_init_is_top1(seed):
