@@ -43,7 +43,11 @@ joined data as $OUT/data_uint16.npz (kept locally as work/data4_uint16.npz, 37,8
 
 Stage 5 (seventh session, 23.2 device-minutes): the same 4 calls on stage 4's data, no new answers
 (--data-npz work/data4_uint16.npz --selector-kl-weight 1.0); exact commands in the drafter's README.
-A stage 6 with new answers needs --add-seed 301 and --add-sharegpt-offset 4000.
+
+Stage 6 (eighth session, 18.6 device-minutes): the same 4 calls on stage 4's data plus new T=1 answers
+(--add-seed 301, ShareGPT 4,000-9,111 after work/prompts.jsonl was rebuilt with all 9,112 first turns);
+the joined data is kept locally as work/data5_uint16.npz (50,477 sequences). A stage 7 with new answers
+needs another seed (--add-seed 401): every ShareGPT first turn the package holds has been answered once.
 
 The tracked tree plus what a call carries must stay under 64 MiB: with the 45 MB drafter in
 models/, move its model.safetensors aside for the two stash calls (it is needed again for --init-from).

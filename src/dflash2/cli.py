@@ -61,11 +61,12 @@ def load_models(args):
             if not verify_folder(path, args.verify_manifest, args.manifest_signature, args.manifest_public_key,
                                  progress=False):
                 raise CheckpointError(f"{path}: refused, the files do not match {args.verify_manifest}")
-        draft = load_draft(path, device=args.device, dtype=resolve_dtype(args.dtype, args.device))
+        dtype = resolve_dtype(args.dtype, args.device)
+        draft = load_draft(path, device=args.device, dtype=dtype)
         # inference only: a no-op off the CPU or in bf16
         quant = getattr(args, "speculative_draft_model_quantization", "none")
         if quant == "auto":  # paired on the 2-core CPU: +4% tok/s at w=5, +9% at w=8 (docs/benchmarks.md)
-            quant = "w8a8_int8" if args.device == "cpu" and resolve_dtype(args.dtype, args.device) == torch.float32 else "none"
+            quant = "w8a8_int8" if args.device == "cpu" and dtype == torch.float32 else "none"
         draft.pack_cpu_linears(quant)
         width = draft.config.block_size
         if args.speculative_num_draft_tokens is not None:

@@ -86,14 +86,19 @@ class Int8Weight(PackedWeight):
 QUANTIZATIONS = ("none", "w8a8_int8")
 
 
+def check_quantization(quantization: str, what: str = "") -> None:
+    """A clear error for a name outside :data:`QUANTIZATIONS` (``what``: whose, for the message)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown {what + ' ' if what else ''}quantization {quantization!r}; choose from {QUANTIZATIONS}")
+
+
 def int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines or "x86" in torch.backends.quantized.supported_engines
 
 
 def packed_or_none(weight: torch.Tensor, quantization: str = "none") -> PackedWeight | Int8Weight | None:
     """A packed weight where oneDNN (or, for ``w8a8_int8``, fbgemm) can take it (CPU, fp32), else ``None``."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {quantization!r}; choose from {QUANTIZATIONS}")
+    check_quantization(quantization)
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     try:

@@ -8,7 +8,7 @@ from torch import nn
 from ..config import DFlash2Config
 from .attention import MLAttention, RMSNorm
 from .conv import BlockConv
-from .cpu_linear import QUANTIZATIONS, lm_head_matmul, pack_linears, packed_or_none
+from .cpu_linear import check_quantization, lm_head_matmul, pack_linears, packed_or_none
 from .rope import RotaryEmbedding
 from .selector import CandidateSelector
 
@@ -111,8 +111,7 @@ class DFlash2DraftModel(nn.Module):
         instead. ``fc`` stays fp32: its input, the concatenated target hidden states, has outlier
         channels that one activation scale per call cannot hold (greedy acceptance fell 3.4 -> 2.8
         with it quantised, 3.4 -> 3.37 without, on 8 GSM8K prompts)."""
-        if quantization not in QUANTIZATIONS:
-            raise ValueError(f"unknown draft quantization {quantization!r}; choose from {QUANTIZATIONS}")
+        check_quantization(quantization, "draft")  # before any state changes
         self._quantization = quantization
         n = pack_linears(self.layers, quantization) + pack_linears(self.fc) + pack_linears(self.candidate_selector)
         if self._token_map is not None:
