@@ -1,0 +1,209 @@
+"""Batch-1 decoding over preallocated buffers, replayed as CUDA graphs on the GPU.
+
+On the H200 an eager step is launch-bound (a SmolLM2-135M forward costs ~30 ms of Python and
+kernel launches for ~1 ms of GPU work). Here every step reads and writes fixed buffers: the
+target's static KV cache (``StaticTarget``), the draft's latent context over all positions
+(rows at or past the anchor are masked, so rejected rows need no rollback), and a few device
+scalars (anchor, its position). A greedy speculative step is then two graph replays (draft
+block + selector walk, then target verify + acceptance) and one read of ``w + 1`` integers;
+the plain target is one replay and one read per token, so the side-by-side stays fair. Sampled
+rows replay the same forwards and run the selector walk and the verifier eagerly, drawing the
+same uniforms in the same order as ``speculative_generate``. Without CUDA (or with
+``cuda_graph=False``) the same functions run eagerly: that is what the CPU tests check.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..model.attention import build_block_mask
+from ..target import TargetModel
+from ..target.static_llama import StaticTarget
+from ..verification import SamplingParams, probs_from_logits, sample_from_probs
+from .speculative import GenerationResult, _verify, eos_ids, make_generator
+
+
+class Replay:
+    """``fn()`` over static buffers: captured once as a CUDA graph (after two warm-up calls on a
+    side stream, as PyTorch requires), or called directly when graphs are off."""
+
+    def __init__(self, fn, use_graph: bool, pool=None):
+        self.fn, self.graph = fn, None
+        if use_graph:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                fn()
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.fn()
+
+
+class StaticDecoder:
+    """One request at a time, ``generate`` like :func:`speculative_generate` (same result type).
+    ``draft=None``: the target alone. ``max_len`` bounds prompt + new tokens + width."""
+
+    def __init__(self, target: TargetModel, draft=None, width: int = 5, max_len: int = 2048,
+                 cuda_graph: bool = True):
+        if draft is not None and width < 2:
+            raise ValueError(f"width must be >= 2 with a draft, got {width}")
+        self.target, self.draft, self.max_len = target, draft, max_len
+        self.w = width if draft is not None else 1
+        if draft is not None:
+            target.set_layer_ids(draft.config.target_layer_ids)
+        self.static = StaticTarget(target, max_len)
+        self.static.check()  # refuse a layout the hand-written forward does not reproduce
+        dev = target.device
+        self.use_graph = cuda_graph and dev.type == "cuda"
+        lng = dict(dtype=torch.long, device=dev)
+        self.ids = torch.zeros(self.w, **lng)          # the block to verify: [anchor, drafts...]
+        self.apos = torch.zeros((), **lng)             # position of ids[0]
+        self.commit = torch.zeros((), **lng)           # first position of the rows in feats
+        self.anchor = torch.zeros((), **lng)
+        self.out = torch.zeros(self.w + 1, **lng)      # greedy: the target's tokens, then n accepted
+        self.logits = torch.zeros(self.w, target.config.vocab_size, dtype=torch.float32, device=dev)
+        self.ar = torch.arange(max(self.w, 1), **lng)
+        if draft is not None:
+            cfg = draft.config
+            self.feats = torch.zeros(self.w, cfg.fc_in_features, dtype=target.dtype, device=dev)
+            p = next(draft.parameters())
+            self.lat = torch.zeros(cfg.num_hidden_layers, 1, max_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                   dtype=p.dtype, device=dev)
+            self.ctx_pos = torch.arange(max_len, **lng)[None]
+            self.ctx_valid = torch.ones(1, max_len, dtype=torch.bool, device=dev)  # the mask's k < anchor decides
+            k = cfg.selector_top_k
+            self.U = torch.zeros(1, self.w - 1, k, dtype=torch.float32, device=dev)
+            self.cand = torch.zeros(1, self.w - 1, k, **lng)
+            self.hidden = torch.zeros(1, self.w - 1, cfg.hidden_size, dtype=p.dtype, device=dev)
+        pool = torch.cuda.graph_pool_handle() if self.use_graph else None
+        self.greedy_step = [Replay(f, self.use_graph, pool) for f in self._greedy_fns()]
+        self.sampled_step = [Replay(f, self.use_graph, pool) for f in self._sampled_fns()]
+
+    # ---- the captured functions ---------------------------------------------------------------
+    def _greedy_fns(self):
+        def verify():
+            logits, feats = self.static.forward(self.ids, self.apos)
+            tgt = logits.argmax(-1)  # first maximum: ties go to the lower id, as greedy_verify
+            n = torch.cumprod((self.ids[1:] == tgt[:-1]).long(), 0).sum()
+            self.out[:self.w].copy_(tgt)
+            self.out[self.w].copy_(n)
+            self._advance(feats, tgt.gather(0, n[None])[0], n)
+        if self.draft is None:
+            return [verify]
+
+        def draft():
+            self._draft_forward()
+            sel = self.draft.candidate_selector.walk(
+                (self.U, self.cand), self.hidden, self.anchor[None],
+                torch.zeros(1, device=self.U.device), all_greedy=True)
+            self.ids[1:].copy_(sel.tokens[0])
+        return [draft, verify]
+
+    def _sampled_fns(self):
+        def verify():
+            logits, feats = self.static.forward(self.ids, self.apos)
+            self.logits.copy_(logits)
+            if self.draft is not None:
+                self.feats.copy_(feats)
+        if self.draft is None:
+            return [verify]
+        return [self._draft_forward, verify]
+
+    def _advance(self, feats, anchor, n) -> None:
+        if self.draft is not None:
+            self.feats.copy_(feats)
+        self.commit.copy_(self.apos)
+        self.anchor.copy_(anchor)
+        self.ids[0].copy_(anchor)
+        self.apos.add_(n + 1)
+
+    def _draft_forward(self) -> None:
+        """Project the last verify's rows into the latent context (rows past the new anchor are
+        rejected or unused: masked now, overwritten when their position is committed), then draft
+        the block ``[anchor, MASK...]`` and its candidates."""
+        d, w = self.draft, self.w
+        rows = self.commit + self.ar
+        lat = d.context_latents(d.fuse(self.feats[None]), rows[None])[:, 0]
+        self.lat[:, 0].index_copy_(1, rows, lat.to(self.lat.dtype))
+        q_pos = (self.apos + self.ar)[None]
+        mask = build_block_mask(q_pos, self.apos.expand(1, w), torch.zeros_like(q_pos), self.ctx_pos,
+                                self.ctx_valid, d.config.sliding_window, d.config.is_causal)
+        block = torch.cat([self.anchor[None], torch.full((w - 1,), d.config.mask_token_id, device=q_pos.device)])
+        hidden = d(self.target.embed(block[None]), q_pos, self.lat, mask, w)[:, 1:]
+        U, cand = d.candidates(hidden, self.target.lm_head_weight)
+        self.hidden.copy_(hidden); self.U.copy_(U); self.cand.copy_(cand)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids, sampling: SamplingParams, verify_method: str | None = None) -> GenerationResult:
+        greedy = sampling.greedy
+        method = verify_method or ("greedy" if greedy else "token")
+        if method == "greedy" and not greedy:
+            raise ValueError("the greedy verifier is only lossless at temperature 0")
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).view(-1).to(self.target.device)
+        L = prompt.numel()
+        if L + sampling.max_new_tokens + self.w > self.max_len:
+            raise ValueError(f"prompt ({L}) + max_new_tokens ({sampling.max_new_tokens}) + width ({self.w}) "
+                             f"exceeds the static decoder's max_len {self.max_len}")
+        gen = make_generator(sampling.seed)
+        stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else eos_ids(self.target))
+        g = self.w - 1
+        res = GenerationResult([], 0, 0, [0] * self.w)
+        t0 = time.perf_counter()
+        logits, feats = self.static.forward(prompt, torch.zeros((), dtype=torch.long, device=prompt.device))
+        p_last = probs_from_logits(logits[-1], sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+        out = [int(sample_from_probs(p_last, torch.rand((), generator=gen).to(p_last.device)))]
+        if self.draft is not None:
+            d = self.draft
+            lat = d.context_latents(d.fuse(feats[None]), torch.arange(L, device=prompt.device)[None])[:, 0]
+            self.lat[:, 0, :L].copy_(lat)
+        self.apos.fill_(L); self.commit.fill_(L); self.anchor.fill_(out[0]); self.ids[0].fill_(out[0])
+        res.prefill_s = time.perf_counter() - t0
+        while out[-1] not in stops and len(out) < sampling.max_new_tokens:
+            if greedy and method == "greedy":
+                for step in self.greedy_step:
+                    step()
+                row = self.out.tolist()  # the one read-back of a step
+                n = row[-1]
+                new = row[:n + 1]
+            else:
+                n, new = self._sampled_step(method, sampling, gen, g)
+            res.verify_steps += 1
+            res.accept_hist[n] += 1
+            for tok in new:
+                out.append(tok)
+                if tok in stops or len(out) >= sampling.max_new_tokens:
+                    break
+        res.total_s = time.perf_counter() - t0
+        res.token_ids, res.completion_tokens = out, len(out)
+        res.finish_reason = "stop" if out[-1] in stops else "length"
+        return res
+
+    def _sampled_step(self, method, sampling, gen, g):
+        q_draft, drafts = None, torch.empty(0, dtype=torch.long, device=self.ids.device)
+        if self.draft is not None:
+            self.sampled_step[0]()
+            temp = torch.tensor([sampling.temperature], device=self.U.device)
+            sel = self.draft.candidate_selector.walk(
+                (self.U, self.cand), self.hidden, self.anchor[None], temp, torch.rand(g, generator=gen)[None].to(temp.device),
+                sampling.top_k, sampling.top_p, sampling.min_p, all_greedy=sampling.greedy)
+            drafts = sel.tokens[0]
+            self.ids[1:].copy_(drafts)
+            q_draft = None if sampling.greedy else sel.dense_q(self.logits.shape[-1])[0]
+        self.sampled_step[-1]()
+        result = _verify(method, drafts, q_draft, self.logits, sampling, gen)
+        new = result.row(0)
+        n = len(new) - 1
+        self.commit.copy_(self.apos)
+        self.anchor.fill_(new[-1]); self.ids[0].fill_(new[-1])
+        self.apos.add_(n + 1)
+        return n, new

@@ -1,0 +1,116 @@
+"""A Llama-family target forward over a preallocated KV cache, for CUDA-graph replay.
+
+Hugging Face's forward grows its cache with ``torch.cat`` and builds its mask in Python, so no
+two steps have the same memory addresses, and its cache classes change between releases (5.17
+on the H200, 5.24 here). This forward reuses the model's own modules (norms, projections,
+rotary embedding, MLP, head) and keeps only the attention loop by hand, over a static cache
+``[layers, kv_heads, max_len, head_dim]`` written at the query positions. Rolling back is
+free: rows past the committed length are hidden by the mask (key index <= query position) and
+overwritten by the next step. Dense full-attention Llama / Qwen2 / Qwen3 / Mistral only;
+:meth:`StaticTarget.check` compares its logits with Hugging Face's before it is trusted.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from .adapter import TargetModel
+
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def unsupported_reason(target: TargetModel) -> str | None:
+    """Why the static forward cannot serve this target, or None when it can."""
+    cfg = target.config
+    kind = getattr(cfg, "model_type", "")
+    if kind not in SUPPORTED_TYPES:
+        return f"model_type {kind!r} (static forward: {', '.join(SUPPORTED_TYPES)})"
+    if target.is_hybrid:
+        return "a hybrid (recurrent) target"
+    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    if types != {"full_attention"} or window:
+        return "sliding-window layers (a ring-buffer cache cannot roll back rejected tokens)"
+    inner = getattr(target.model, "model", None)
+    if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "norm"):
+        return "no model.rotary_emb / model.norm"
+    return None
+
+
+class StaticTarget:
+    """``forward(ids [L], start [] long tensor) -> (logits [L, V] fp32, features [L, K*H])`` with
+    ``start`` a device tensor, so one captured graph serves every position."""
+
+    def __init__(self, target: TargetModel, max_len: int):
+        reason = unsupported_reason(target)
+        if reason:
+            raise ValueError(f"static forward does not support {reason}")
+        self.target, self.max_len = target, max_len
+        cfg, dev = target.config, target.device
+        self.inner = target.model.model
+        attn = self.inner.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.scaling = getattr(attn, "scaling", self.head_dim ** -0.5)
+        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        shape = (len(self.inner.layers), 1, self.n_kv, max_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=target.dtype, device=dev)
+        self.v_cache = torch.zeros(shape, dtype=target.dtype, device=dev)
+        self.kv_index = torch.arange(max_len, device=dev)
+        self.neg = torch.finfo(target.dtype).min
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        L = ids.shape[0]
+        pos = start + self.kv_index[:L]                                         # [L]
+        # additive mask: key j is visible to the query at position p iff j <= p (stale rows are > p)
+        mask = torch.where(self.kv_index[None] <= pos[:, None], 0.0, self.neg).to(self.target.dtype)[None, None]
+        x = self.inner.embed_tokens(ids[None])
+        cos, sin = self.inner.rotary_emb(x, pos[None])
+        feats = {}
+        for i, layer in enumerate(self.inner.layers):
+            x = x + self._attention(i, layer.self_attn, layer.input_layernorm(x), cos, sin, pos, mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in self.target.layer_ids:
+                feats[i] = x[0]
+        logits = self.target.model.lm_head(self.inner.norm(x))[0].float()
+        feats = torch.cat([feats[i] for i in self.target.layer_ids], -1) if feats else x.new_empty(L, 0)
+        return logits, feats
+
+    def _attention(self, i, attn, h, cos, sin, pos, mask):
+        L = h.shape[1]
+        q = attn.q_proj(h).view(1, L, self.n_heads, self.head_dim)
+        k = attn.k_proj(h).view(1, L, self.n_kv, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        v = attn.v_proj(h).view(1, L, self.n_kv, self.head_dim).transpose(1, 2)
+        self.k_cache[i].index_copy_(2, pos, k)
+        self.v_cache[i].index_copy_(2, pos, v)
+        out = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask,
+                                             scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
+        return attn.o_proj(out.transpose(1, 2).reshape(1, L, self.n_heads * self.head_dim))
+
+    @torch.no_grad()
+    def check(self, length: int = 12, atol: float | None = None) -> float:
+        """Largest logit difference against Hugging Face's forward on ``length`` random tokens: a
+        prefill, three wrong rows that are then rolled back, two right rows (the stale third must
+        stay hidden) and the last one; raises when over ``atol`` (default: 1e-3 in float32, 0.25
+        in half precision)."""
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.target.config.vocab_size, (length,), generator=gen).to(self.target.device)
+        ref = self.target.model(input_ids=ids[None], use_cache=False).logits[0].float()
+        n = length - 3
+        start = torch.zeros((), dtype=torch.long, device=self.target.device)
+        a, _ = self.forward(ids[:n], start)
+        self.forward((ids[n:] + 1) % self.target.config.vocab_size, start + n)  # rejected rows
+        b, _ = self.forward(ids[n:n + 2], start + n)
+        c, _ = self.forward(ids[n + 2:], start + n + 2)
+        diff = (torch.cat([a, b, c]) - ref).abs().max().item()
+        tol = atol if atol is not None else (1e-3 if self.target.dtype == torch.float32 else 0.25)
+        if not diff <= tol:
+            raise RuntimeError(f"static forward differs from Hugging Face's by {diff:.3g} (> {tol}): "
+                               f"{type(self.target.model).__name__} is not the Llama layout it assumes")
+        return diff
