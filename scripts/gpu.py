@@ -326,9 +326,80 @@ def stage_bench(args, draft_dir: Path | None = None) -> None:
             print(f"speed timed out; partial stdout: {(e.stdout or b'')[-2000:]}", flush=True)
 
 
+def stage_graphs(args) -> None:
+    """CUDA graphs at batch 1 (engine/static_decode.py): correctness first (bf16: static plain vs
+    HF eager, speculative vs static plain, token for token; fp32: speculative must equal the
+    target exactly), then side-by-side speed with every config graphed, then an eager reference
+    on a few prompts. Everything in $OUT/graphs.json."""
+    import torch
+    from dflash2.benchmark.speed import format_table, gsm8k_test_prompts, side_by_side
+    from dflash2.cli import build_parser, load_models
+    from dflash2.engine import speculative_generate
+    from dflash2.engine.static_decode import StaticDecoder
+    from dflash2.training.data import render
+    from dflash2.verification import SamplingParams
+    info = env_report()
+    folder = target_folder() if args.graph_device == "cuda" else ROOT / ".cache" / "smollm2-135m-instruct"
+    prompts = gsm8k_test_prompts(ROOT / "work" / "gsm8k_test.jsonl", max(args.graph_limit, args.check_prompts))
+    report = {"env": info, "check": {}, "speed": {}}
+    OUT.mkdir(parents=True, exist_ok=True)
+
+    def models(dtype):
+        a = build_parser().parse_args(["bench", "speed", "--model-path", str(folder), "--device", args.graph_device, "--dtype", dtype])
+        return load_models(a)
+
+    def agree(a, b):  # tokens equal up to the first difference, over the shorter
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return n, a == b
+
+    for dtype in ("float32", "bfloat16"):
+        target, draft, _ = models(dtype)
+        ids = [render(target.tokenizer, p) for p in prompts[:args.check_prompts]]
+        sp = SamplingParams(max_new_tokens=args.check_tokens)
+        t0 = time.time()
+        plain = StaticDecoder(target, None, 1, args.graph_max_len)
+        decs = {w: StaticDecoder(target, draft, w, args.graph_max_len) for w in (5, 8)}
+        log(f"{dtype}: 3 decoders built and captured in {time.time() - t0:.1f} s (check diff {plain.check_diff:.3g})")
+        rows = []
+        for i, x in enumerate(ids):
+            ref = plain.generate(x, sp).token_ids
+            eager = speculative_generate(target, None, x, sp, width=1).token_ids
+            row = {"prompt": i, "static_vs_eager_plain": agree(ref, eager)}
+            for w, d in decs.items():
+                row[f"w{w}_vs_static_plain"] = agree(d.generate(x, sp).token_ids, ref)
+            rows.append(row)
+        same = {k: sum(r[k][1] for r in rows) for k in rows[0] if k != "prompt"}
+        log(f"{dtype}: identical outputs out of {len(rows)}: {same}")
+        report["check"][dtype] = {"rows": rows, "identical": same}
+        if dtype == "float32":
+            del target, draft, plain, decs
+            torch.cuda.empty_cache()
+    temps = [float(t) for t in args.graph_temperatures.split(",")]
+    rows = side_by_side(target, draft, prompts[:args.graph_limit], widths=(5, 8), temperatures=temps,
+                        max_new_tokens=args.graph_tokens, verifies=("token", "block"), cuda_graph=True,
+                        max_len=args.graph_max_len)
+    print("CUDA graphs, bf16, batch 1\n" + format_table(rows), flush=True)
+    report["speed"]["graphs"] = [r.__dict__ for r in rows]
+    (OUT / "graphs.json").write_text(json.dumps(report, indent=1))
+    if args.eager_limit and time.time() - T_START < args.deadline_s - 200:
+        rows = side_by_side(target, draft, prompts[:args.eager_limit], widths=(5, 8), temperatures=(0.0,),
+                            max_new_tokens=args.graph_tokens, verifies=("token",))
+        print("eager (HF), bf16, batch 1\n" + format_table(rows), flush=True)
+        report["speed"]["eager"] = [r.__dict__ for r in rows]
+        (OUT / "graphs.json").write_text(json.dumps(report, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("stage", choices=["stash", "prepare", "train", "bench"])
+    ap.add_argument("stage", choices=["stash", "prepare", "train", "bench", "graphs"])
+    ap.add_argument("--graph-limit", type=int, default=20, help="graphs: GSM8K test prompts timed")
+    ap.add_argument("--graph-temperatures", default="0,1")
+    ap.add_argument("--graph-max-len", type=int, default=1024)
+    ap.add_argument("--graph-device", default="cuda", help="graphs: cpu runs the same stage eagerly (a dry run)")
+    ap.add_argument("--check-prompts", type=int, default=6)
+    ap.add_argument("--graph-tokens", type=int, default=256)
+    ap.add_argument("--check-tokens", type=int, default=128)
+    ap.add_argument("--eager-limit", type=int, default=3, help="graphs: prompts of the eager reference (0: none)")
     ap.add_argument("--gen-batch", type=int, default=1024)
     ap.add_argument("--sampled-gsm8k", type=int, default=4000)
     ap.add_argument("--sampled-gsm8k-2", type=int, default=0)
@@ -361,7 +432,8 @@ def main() -> None:
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--bench-seconds", type=float, default=150)
     args = ap.parse_args()
-    {"stash": stage_stash, "prepare": stage_prepare, "train": stage_train, "bench": stage_bench}[args.stage](args)
+    {"stash": stage_stash, "prepare": stage_prepare, "train": stage_train, "bench": stage_bench,
+     "graphs": stage_graphs}[args.stage](args)
 
 
 if __name__ == "__main__":

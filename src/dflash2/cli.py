@@ -31,6 +31,11 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--trust-remote-code", action="store_true")
+    ap.add_argument("--disable-cuda-graph", action="store_true",
+                    help="on CUDA, batch 1: run eagerly instead of replaying CUDA graphs over static buffers "
+                         "(graphs need a dense full-attention Llama/Qwen/Mistral target; others run eagerly anyway)")
+    ap.add_argument("--cuda-graph-max-len", type=int, default=2048,
+                    help="prompt + new tokens + width the CUDA-graph buffers hold (batch 1)")
     ap.add_argument("--verify-manifest", default=None, help="refuse a drafter whose files fail this manifest")
     ap.add_argument("--manifest-signature", default=None)
     ap.add_argument("--manifest-public-key", default=None)
@@ -100,14 +105,19 @@ def sampling_from(args):
 
 def cmd_generate(args) -> int:
     from .engine import DFlashProposer, speculative_generate
+    from .engine.static_decode import maybe_static_decoder
     from .training.data import render
 
     target, draft, width = load_models(args)
     sp = sampling_from(args)
     ids = render(target.tokenizer, args.prompt)
-    proposer = DFlashProposer(draft, target.embed, target.lm_head_weight) if draft is not None else None
     method = "block" if args.speculative_use_block_verification else None
-    r = speculative_generate(target, proposer, ids, sp, width=width, verify_method=method)
+    static = maybe_static_decoder(target, draft, width, args.cuda_graph_max_len, args.disable_cuda_graph)
+    if static is not None:
+        r = static.generate(ids, sp, verify_method=method)
+    else:
+        proposer = DFlashProposer(draft, target.embed, target.lm_head_weight) if draft is not None else None
+        r = speculative_generate(target, proposer, ids, sp, width=width, verify_method=method)
     text = target.tokenizer.decode(r.token_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({"text": text, "token_ids": r.token_ids, "completion_tokens": r.completion_tokens,

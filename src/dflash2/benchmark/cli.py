@@ -48,9 +48,13 @@ def cmd_speed(args) -> int:
                                                        engine_speed.save(rows, args.output)))
         engine_speed.save(rows, args.output, args.plot)
         return 0
+    from ..target.static_llama import unsupported_reason
+    use_graphs = target.device.type == "cuda" and not args.disable_cuda_graph and unsupported_reason(target) is None
+    print(f"batch 1, {'CUDA graphs over static buffers' if use_graphs else 'eager'}", flush=True)
     rows = side_by_side(target, draft, prompts, widths=[int(w) for w in args.widths.split(",")],
                         temperatures=[float(t) for t in args.temperatures.split(",")],
-                        max_new_tokens=args.max_new_tokens, verifies=tuple(args.verifiers.split(",")))
+                        max_new_tokens=args.max_new_tokens, verifies=tuple(args.verifiers.split(",")),
+                        cuda_graph=use_graphs, max_len=args.cuda_graph_max_len)
     print(format_table(rows))
     if args.output:
         save_rows(rows, args.output)

@@ -14,6 +14,7 @@ same uniforms in the same order as ``speculative_generate``. Without CUDA (or wi
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -48,6 +49,20 @@ class Replay:
             self.fn()
 
 
+def maybe_static_decoder(target: TargetModel, draft, width: int, max_len: int = 2048,
+                         disable_cuda_graph: bool = False) -> "StaticDecoder | None":
+    """The graphed decoder where it applies (CUDA, a supported target, graphs not disabled), else
+    None (the caller uses ``speculative_generate``); says why when a CUDA target cannot have it."""
+    if disable_cuda_graph or target.device.type != "cuda":
+        return None
+    from ..target.static_llama import unsupported_reason
+    reason = unsupported_reason(target)
+    if reason:
+        warnings.warn(f"CUDA graphs off: the static forward does not support {reason}")
+        return None
+    return StaticDecoder(target, draft, width, min(max_len, int(getattr(target.config, "max_position_embeddings", max_len))))
+
+
 class StaticDecoder:
     """One request at a time, ``generate`` like :func:`speculative_generate` (same result type).
     ``draft=None``: the target alone. ``max_len`` bounds prompt + new tokens + width."""
@@ -61,7 +76,7 @@ class StaticDecoder:
         if draft is not None:
             target.set_layer_ids(draft.config.target_layer_ids)
         self.static = StaticTarget(target, max_len)
-        self.static.check()  # refuse a layout the hand-written forward does not reproduce
+        self.check_diff = self.static.check()  # refuse a layout the hand-written forward does not reproduce
         dev = target.device
         self.use_graph = cuda_graph and dev.type == "cuda"
         lng = dict(dtype=torch.long, device=dev)
@@ -85,8 +100,9 @@ class StaticDecoder:
             self.cand = torch.zeros(1, self.w - 1, k, **lng)
             self.hidden = torch.zeros(1, self.w - 1, cfg.hidden_size, dtype=p.dtype, device=dev)
         pool = torch.cuda.graph_pool_handle() if self.use_graph else None
-        self.greedy_step = [Replay(f, self.use_graph, pool) for f in self._greedy_fns()]
-        self.sampled_step = [Replay(f, self.use_graph, pool) for f in self._sampled_fns()]
+        with torch.no_grad():
+            self.greedy_step = [Replay(f, self.use_graph, pool) for f in self._greedy_fns()]
+            self.sampled_step = [Replay(f, self.use_graph, pool) for f in self._sampled_fns()]
 
     # ---- the captured functions ---------------------------------------------------------------
     def _greedy_fns(self):

@@ -97,8 +97,8 @@ class StaticTarget:
     def check(self, length: int = 12, atol: float | None = None) -> float:
         """Largest logit difference against Hugging Face's forward on ``length`` random tokens: a
         prefill, three wrong rows that are then rolled back, two right rows (the stale third must
-        stay hidden) and the last one; raises when over ``atol`` (default: 1e-3 in float32, 0.25
-        in half precision)."""
+        stay hidden) and the last one; raises when over ``atol`` (default: 1e-3 in float32; in half
+        precision 3% of the largest logit, where two orders of the same sums differ by rounding)."""
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, self.target.config.vocab_size, (length,), generator=gen).to(self.target.device)
         ref = self.target.model(input_ids=ids[None], use_cache=False).logits[0].float()
@@ -109,7 +109,8 @@ class StaticTarget:
         b, _ = self.forward(ids[n:n + 2], start + n)
         c, _ = self.forward(ids[n + 2:], start + n + 2)
         diff = (torch.cat([a, b, c]) - ref).abs().max().item()
-        tol = atol if atol is not None else (1e-3 if self.target.dtype == torch.float32 else 0.25)
+        tol = atol if atol is not None else \
+            (1e-3 if self.target.dtype == torch.float32 else 0.03 * ref.abs().max().item())
         if not diff <= tol:
             raise RuntimeError(f"static forward differs from Hugging Face's by {diff:.3g} (> {tol}): "
                                f"{type(self.target.model).__name__} is not the Llama layout it assumes")
