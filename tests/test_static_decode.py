@@ -106,3 +106,17 @@ def test_static_greedy_with_long_acceptances(width):
         assert r.token_ids == ref
         hist = [a + b for a, b in zip(hist, r.accept_hist)]
     assert hist[0] and hist[-1] and sum(hist[2:-1])  # rejections, full blocks and partial blocks
+
+
+def test_capturable_probs_equal_default_path():
+    """The graph-safe filtering (full sort, no host reads) gives the default path's rows, including
+    flat rows whose top-p set reaches past the top-1024 shortcut."""
+    from dflash2.verification import probs_from_logits
+    torch.manual_seed(0)
+    logits = torch.randn(6, 3000) * torch.tensor([0.1, 1.0, 3.0, 0.01, 5.0, 1.0])[:, None]
+    for temp, k, top_p, min_p in [(1.0, -1, 0.95, 0.0), (0.7, 50, 1.0, 0.0), (1.3, -1, 1.0, 0.1),
+                                  (1.0, -1, 1.0, 0.0), (0.0, -1, 0.9, 0.0), (1.0, 2000, 0.99, 0.0)]:
+        ref = probs_from_logits(logits, temp, k, top_p, min_p)
+        torch.testing.assert_close(probs_from_logits(logits, temp, k, top_p, min_p, capturable=True), ref)
+    with pytest.raises(TypeError, match="Python scalars"):
+        probs_from_logits(logits, 1.0, torch.tensor(5), capturable=True)

@@ -7,8 +7,8 @@ target's static KV cache (``StaticTarget``), the draft's latent context over all
 scalars (anchor, its position). A greedy speculative step is then two graph replays (draft
 block + selector walk, then target verify + acceptance) and one read of ``w + 1`` integers;
 the plain target is one replay and one read per token, so the side-by-side stays fair. Sampled
-rows replay the same forwards and run the selector walk and the verifier eagerly, drawing the
-same uniforms in the same order as ``speculative_generate``. Without CUDA (or with
+steps are graphs too, one pair per verifier and sampling parameters (captured on first use),
+with the uniforms drawn on the host in ``speculative_generate``'s order and copied in. Without CUDA (or with
 ``cuda_graph=False``) the same functions run eagerly: that is what the CPU tests check.
 """
 from __future__ import annotations
@@ -21,8 +21,9 @@ import torch
 from ..model.attention import build_block_mask
 from ..target import TargetModel
 from ..target.static_llama import StaticTarget
-from ..verification import SamplingParams, probs_from_logits, sample_from_probs
-from .speculative import GenerationResult, _verify, eos_ids, make_generator
+from ..verification import (SamplingParams, block_verify, probs_from_logits, sample_from_probs,
+                            token_level_verify)
+from .speculative import GenerationResult, eos_ids, make_generator
 
 
 class Replay:
@@ -99,10 +100,13 @@ class StaticDecoder:
             self.U = torch.zeros(1, self.w - 1, k, dtype=torch.float32, device=dev)
             self.cand = torch.zeros(1, self.w - 1, k, **lng)
             self.hidden = torch.zeros(1, self.w - 1, cfg.hidden_size, dtype=p.dtype, device=dev)
-        pool = torch.cuda.graph_pool_handle() if self.use_graph else None
+        g = self.w - 1
+        self.uniforms = torch.zeros(2 * g + 1, dtype=torch.float32, device=dev)  # propose g | accept g | emit 1
+        self.q_draft = torch.zeros(g, target.config.vocab_size, dtype=torch.float32, device=dev)
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graph else None
         with torch.no_grad():
-            self.greedy_step = [Replay(f, self.use_graph, pool) for f in self._greedy_fns()]
-            self.sampled_step = [Replay(f, self.use_graph, pool) for f in self._sampled_fns()]
+            self.greedy_step = [Replay(f, self.use_graph, self.pool) for f in self._greedy_fns()]
+        self.sampled_steps: dict[tuple, list[Replay]] = {}  # per (verifier, sampling parameters), captured on first use
 
     # ---- the captured functions ---------------------------------------------------------------
     def _greedy_fns(self):
@@ -124,15 +128,33 @@ class StaticDecoder:
             self.ids[1:].copy_(sel.tokens[0])
         return [draft, verify]
 
-    def _sampled_fns(self):
+    def _sampled_fns(self, method: str, sp: SamplingParams):
+        """Draft + walk, then verify + accept, for one verifier and one set of sampling
+        parameters (they are baked into the graph); uniforms come from ``self.uniforms``."""
+        g = self.w - 1
+        params = (sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+
         def verify():
             logits, feats = self.static.forward(self.ids, self.apos)
-            self.logits.copy_(logits)
-            if self.draft is not None:
-                self.feats.copy_(feats)
+            p_target = probs_from_logits(logits, *params, capturable=True)
+            fn = token_level_verify if method == "token" else block_verify
+            r = fn(self.ids[None, 1:], self.q_draft[None], p_target[None], self.uniforms[None, g:2 * g],
+                   self.uniforms[2 * g:])
+            n = r.num_accepted[0]
+            self.out.copy_(torch.cat([r.tokens[0], n[None]]))
+            self._advance(feats, r.tokens[0].gather(0, n[None])[0], n)
         if self.draft is None:
             return [verify]
-        return [self._draft_forward, verify]
+
+        def draft():
+            self._draft_forward()
+            temp = torch.full((1,), sp.temperature, device=self.U.device)
+            sel = self.draft.candidate_selector.walk(
+                (self.U, self.cand), self.hidden, self.anchor[None], temp, self.uniforms[None, :g],
+                sp.top_k, sp.top_p, sp.min_p, all_greedy=sp.greedy, capturable=True)
+            self.ids[1:].copy_(sel.tokens[0])
+            self.q_draft.copy_(sel.dense_q(self.q_draft.shape[-1])[0])
+        return [draft, verify]
 
     def _advance(self, feats, anchor, n) -> None:
         if self.draft is not None:
@@ -170,6 +192,13 @@ class StaticDecoder:
         if L + sampling.max_new_tokens + self.w > self.max_len:
             raise ValueError(f"prompt ({L}) + max_new_tokens ({sampling.max_new_tokens}) + width ({self.w}) "
                              f"exceeds the static decoder's max_len {self.max_len}")
+        sampled = not (greedy and method == "greedy")
+        key = (method, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+        if sampled and key not in self.sampled_steps:  # capture now: the prefill below resets every buffer
+            self.apos.zero_(); self.commit.zero_()
+            with torch.no_grad():
+                self.sampled_steps[key] = [Replay(f, self.use_graph, self.pool) for f in self._sampled_fns(method, sampling)]
+        steps = self.sampled_steps[key] if sampled else self.greedy_step
         gen = make_generator(sampling.seed)
         stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else eos_ids(self.target))
         g = self.w - 1
@@ -185,14 +214,15 @@ class StaticDecoder:
         self.apos.fill_(L); self.commit.fill_(L); self.anchor.fill_(out[0]); self.ids[0].fill_(out[0])
         res.prefill_s = time.perf_counter() - t0
         while out[-1] not in stops and len(out) < sampling.max_new_tokens:
-            if greedy and method == "greedy":
-                for step in self.greedy_step:
-                    step()
-                row = self.out.tolist()  # the one read-back of a step
-                n = row[-1]
-                new = row[:n + 1]
-            else:
-                n, new = self._sampled_step(method, sampling, gen, g)
+            if sampled:  # the dynamic loop's draws, in its order: propose g, accept g, emit 1
+                u = [torch.rand(g, generator=gen)] if self.draft is not None else []
+                u += [torch.rand(1, g, generator=gen).view(-1), torch.rand(1, generator=gen)]
+                self.uniforms.copy_(torch.cat(u))
+            for step in steps:
+                step()
+            row = self.out.tolist()  # the one read-back of a step
+            n = row[-1]
+            new = row[:n + 1]
             res.verify_steps += 1
             res.accept_hist[n] += 1
             for tok in new:
@@ -204,22 +234,3 @@ class StaticDecoder:
         res.finish_reason = "stop" if out[-1] in stops else "length"
         return res
 
-    def _sampled_step(self, method, sampling, gen, g):
-        q_draft, drafts = None, torch.empty(0, dtype=torch.long, device=self.ids.device)
-        if self.draft is not None:
-            self.sampled_step[0]()
-            temp = torch.tensor([sampling.temperature], device=self.U.device)
-            sel = self.draft.candidate_selector.walk(
-                (self.U, self.cand), self.hidden, self.anchor[None], temp, torch.rand(g, generator=gen)[None].to(temp.device),
-                sampling.top_k, sampling.top_p, sampling.min_p, all_greedy=sampling.greedy)
-            drafts = sel.tokens[0]
-            self.ids[1:].copy_(drafts)
-            q_draft = None if sampling.greedy else sel.dense_q(self.logits.shape[-1])[0]
-        self.sampled_step[-1]()
-        result = _verify(method, drafts, q_draft, self.logits, sampling, gen)
-        new = result.row(0)
-        n = len(new) - 1
-        self.commit.copy_(self.apos)
-        self.anchor.fill_(new[-1]); self.ids[0].fill_(new[-1])
-        self.apos.add_(n + 1)
-        return n, new

@@ -59,12 +59,14 @@ class CandidateSelector(nn.Module):
     @torch.no_grad()
     def walk(self, candidates: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, anchor: torch.Tensor,
              temperature: torch.Tensor, uniforms: torch.Tensor | None = None,
-             top_k=-1, top_p=1.0, min_p=0.0, all_greedy: bool | None = None) -> SelectorOutput:
+             top_k=-1, top_p=1.0, min_p=0.0, all_greedy: bool | None = None,
+             capturable: bool = False) -> SelectorOutput:
         """``candidates``: ``(U, cand)`` per slot, ``[B, g, k]`` each (:meth:`candidates` of the slot
         logits, or ``DFlash2DraftModel.candidates``); ``hidden [B, g, H]`` of the draft slots;
         ``anchor [B]``; ``temperature [B]`` (0 = greedy row); ``uniforms [B, g]``, required when a row samples.
         ``all_greedy``: whether every temperature is 0, when the caller knows it (reading it from a
-        GPU tensor would stall the launch queue each step)."""
+        GPU tensor would stall the launch queue each step). ``capturable``: filtering without host
+        reads (see ``probs_from_logits``), for a CUDA graph."""
         U, cand = candidates
         W = self.pair_weights(hidden, cand)
         B, g, k = U.shape
@@ -82,8 +84,8 @@ class CandidateSelector(nn.Module):
         if not all_greedy:
             if uniforms is None:  # q_draft must be the distribution each token was drawn from
                 raise ValueError("the selector walk needs uniforms [B, g] when a row samples (temperature > 0)")
-            q_first = probs_from_logits(S_first, temperature, top_k, top_p, min_p)
-            q_next = probs_from_logits(S_next, temperature, top_k, top_p, min_p)
+            q_first = probs_from_logits(S_first, temperature, top_k, top_p, min_p, capturable)
+            q_next = probs_from_logits(S_next, temperature, top_k, top_p, min_p, capturable)
             greedy_row = (temperature == 0)
         rows = torch.arange(B, device=U.device)
         js, qs = [], []

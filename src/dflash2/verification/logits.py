@@ -72,9 +72,13 @@ def _truncate_top(probs, k, tp, mp, n: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.zeros_like(probs).scatter_(-1, idx, vals.masked_fill(~keep, 0.0)), ok
 
 
-def probs_from_logits(logits: torch.Tensor, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0) -> torch.Tensor:
+def probs_from_logits(logits: torch.Tensor, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0,
+                      capturable: bool = False) -> torch.Tensor:
     """Rows of ``logits [..., V]`` -> processed probabilities (float32). Parameters are scalars
-    or tensors over the leading dims (e.g. one value per request)."""
+    or tensors over the leading dims (e.g. one value per request). ``capturable``: no read of a
+    device value on the host, so a CUDA graph can hold it: ``top_k`` / ``top_p`` / ``min_p`` must
+    be Python scalars (they decide whether to truncate), truncation sorts whole rows (the exact
+    reference the top-``FAST_TOP`` shortcut falls back to), and the greedy blend always runs."""
     logits = logits.float()
     V = logits.shape[-1]
     temp = _col(temperature, logits[..., 0], torch.float32).unsqueeze(-1)
@@ -83,18 +87,27 @@ def probs_from_logits(logits: torch.Tensor, temperature=0.0, top_k=-1, top_p=1.0
     k = _col(top_k, logits[..., 0], torch.long).unsqueeze(-1)
     tp = _col(top_p, logits[..., 0], torch.float32).unsqueeze(-1)
     mp = _col(min_p, logits[..., 0], torch.float32).unsqueeze(-1)
-    if bool(((k > 0) & (k < V)).any() | (tp < 1).any() | (mp > 0).any()):
+    if capturable:
+        if any(isinstance(x, torch.Tensor) for x in (top_k, top_p, min_p)):
+            raise TypeError("capturable probs_from_logits takes top_k, top_p and min_p as Python scalars")
+        truncate = 0 < top_k < V or top_p < 1 or min_p > 0
+    else:
+        truncate = bool(((k > 0) & (k < V)).any() | (tp < 1).any() | (mp > 0).any())
+    if truncate:
         rows = probs.shape[:-1] + (1,)
         P = probs.reshape(-1, V)
         K, TP, MP = (x.expand(rows).reshape(-1, 1) for x in (k, tp, mp))
-        out, ok = _truncate_top(P, K, TP, MP, min(V, max(FAST_TOP, int(K.max()))))
-        if not bool(ok.all()):  # rows whose kept set reaches past the top entries: sort them fully
-            bad = ~ok
-            Pb = P[bad]
-            out[bad] = _truncate(Pb, *Pb.sort(dim=-1, descending=True, stable=True), K[bad], TP[bad], MP[bad])
+        if capturable:
+            out = _truncate(P, *P.sort(dim=-1, descending=True, stable=True), K, TP, MP)
+        else:
+            out, ok = _truncate_top(P, K, TP, MP, min(V, max(FAST_TOP, int(K.max()))))
+            if not bool(ok.all()):  # rows whose kept set reaches past the top entries: sort them fully
+                bad = ~ok
+                Pb = P[bad]
+                out[bad] = _truncate(Pb, *Pb.sort(dim=-1, descending=True, stable=True), K[bad], TP[bad], MP[bad])
         probs = out.reshape(probs.shape)
         probs = probs / probs.sum(-1, keepdim=True)
-    if bool(greedy.any()):
+    if capturable or bool(greedy.any()):
         onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy, onehot, probs)
     return probs
