@@ -371,6 +371,7 @@ def stage_graphs(args) -> None:
         same = {k: sum(r[k][1] for r in rows) for k in rows[0] if k != "prompt"}
         log(f"{dtype}: identical outputs out of {len(rows)}: {same}")
         report["check"][dtype] = {"rows": rows, "identical": same}
+        (OUT / "graphs.json").write_text(json.dumps(report, indent=1))
         if dtype == "float32":
             del target, draft, plain, decs
             torch.cuda.empty_cache()

@@ -36,6 +36,8 @@ class SamplingParams:
 
 def _col(x, like: torch.Tensor, dtype) -> torch.Tensor:
     """A per-row parameter as a tensor that broadcasts over every trailing dim of ``like``."""
+    if isinstance(x, (int, float)):  # a fill on the device, not a host copy (allowed in a CUDA graph)
+        return torch.full((1,) * like.dim(), x, dtype=dtype, device=like.device)
     t = torch.as_tensor(x, dtype=dtype, device=like.device)
     return t.reshape(tuple(t.shape) + (1,) * (like.dim() - t.dim()))
 
