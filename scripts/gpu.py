@@ -342,6 +342,7 @@ def stage_graphs(args) -> None:
     folder = target_folder() if args.graph_device == "cuda" else ROOT / ".cache" / "smollm2-135m-instruct"
     prompts = gsm8k_test_prompts(ROOT / "work" / "gsm8k_test.jsonl", max(args.graph_limit, args.check_prompts))
     report = {"env": info, "check": {}, "speed": {}}
+    widths = [int(w) for w in args.graph_widths.split(",")]
     OUT.mkdir(parents=True, exist_ok=True)
 
     def models(dtype):
@@ -352,7 +353,7 @@ def stage_graphs(args) -> None:
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         return n, a == b
 
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16")[2 - args.check_dtypes:]:
         target, draft, _ = models(dtype)
         ids = [render(target.tokenizer, p) for p in prompts[:args.check_prompts]]
         sp = SamplingParams(max_new_tokens=args.check_tokens)
@@ -375,8 +376,25 @@ def stage_graphs(args) -> None:
         if dtype == "float32":
             del target, draft, plain, decs
             torch.cuda.empty_cache()
+    if args.breakdown:  # each captured graph alone: median of 200 replays, synchronised
+        x = render(target.tokenizer, prompts[0])
+        times = {}
+        for w in [1] + widths:
+            dec = StaticDecoder(target, draft if w > 1 else None, w, args.graph_max_len)
+            for name, sp in (("greedy", SamplingParams(max_new_tokens=2)),
+                             ("t1", SamplingParams(max_new_tokens=2, temperature=1.0, top_p=0.95, seed=0))):
+                dec.generate(x, sp)  # prefill + capture; buffers now hold a real context
+                steps = dec.greedy_step if name == "greedy" else next(iter(dec.sampled_steps.values()))
+                for j, step in enumerate(steps):
+                    ts = []
+                    for _ in range(200):
+                        torch.cuda.synchronize(); t0 = time.perf_counter(); step(); torch.cuda.synchronize()
+                        ts.append(time.perf_counter() - t0)
+                    times[f"w{w} {name} {'verify' if j == len(steps) - 1 else 'draft'}"] = sorted(ts)[100] * 1e3
+        print("graph replay ms (median of 200):", json.dumps({k: round(v, 3) for k, v in times.items()}), flush=True)
+        report["breakdown_ms"] = times
     temps = [float(t) for t in args.graph_temperatures.split(",")]
-    rows = side_by_side(target, draft, prompts[:args.graph_limit], widths=(5, 8), temperatures=temps,
+    rows = side_by_side(target, draft, prompts[:args.graph_limit], widths=widths, temperatures=temps,
                         max_new_tokens=args.graph_tokens, verifies=("token", "block"), cuda_graph=True,
                         max_len=args.graph_max_len)
     print("CUDA graphs, bf16, batch 1\n" + format_table(rows), flush=True)
@@ -398,6 +416,9 @@ def main() -> None:
     ap.add_argument("--graph-max-len", type=int, default=1024)
     ap.add_argument("--graph-device", default="cuda", help="graphs: cpu runs the same stage eagerly (a dry run)")
     ap.add_argument("--check-prompts", type=int, default=6)
+    ap.add_argument("--check-dtypes", type=int, default=2, help="graphs: 2 = fp32 and bf16 checks, 1 = bf16 only")
+    ap.add_argument("--graph-widths", default="5,8")
+    ap.add_argument("--breakdown", action="store_true", help="graphs: time each captured graph alone")
     ap.add_argument("--graph-tokens", type=int, default=256)
     ap.add_argument("--check-tokens", type=int, default=128)
     ap.add_argument("--eager-limit", type=int, default=3, help="graphs: prompts of the eager reference (0: none)")
