@@ -12,6 +12,10 @@
                                     # carry work/: start or resume training, export bf16 shards to $OUT
   python scripts/gpu.py bench --acc-limit 1319 --concurrency 1,8,32,64
                                     # carry work/: acceptance (engine) + speed by concurrency
+  python scripts/gpu.py graphs --graph-limit 20 --check-prompts 6 --eager-limit 3 [--breakdown]
+                                    # carry work/gsm8k_test.jsonl: batch-1 CUDA graphs (static_decode.py):
+                                    #   fp32 + bf16 token checks, graphed side-by-side speed, eager reference
+                                    #   (ninth session: 2 stash calls + 1 call of ~4 min)
 
 Recipe used on 2026-11-30 (benchmarks only, 6 calls, 30 device-minutes):
   mv models/smollm2-135m-dflash2/model.safetensors /tmp/aside/

@@ -120,3 +120,11 @@ def test_capturable_probs_equal_default_path():
         torch.testing.assert_close(probs_from_logits(logits, temp, k, top_p, min_p, capturable=True), ref)
     with pytest.raises(TypeError, match="Python scalars"):
         probs_from_logits(logits, 1.0, torch.tensor(5), capturable=True)
+
+
+def test_static_decoder_only_on_cuda():
+    """The CLI's choice: None (the eager loop) on the CPU or when disabled."""
+    from dflash2.engine.static_decode import maybe_static_decoder
+    t = TargetModel(build("llama"), layer_ids=[0, 2])
+    assert maybe_static_decoder(t, None, 1) is None
+    assert maybe_static_decoder(t, None, 1, disable_cuda_graph=True) is None
