@@ -113,6 +113,10 @@ def cmd_generate(args) -> int:
     ids = render(target.tokenizer, args.prompt)
     method = "block" if args.speculative_use_block_verification else None
     static = maybe_static_decoder(target, draft, width, args.cuda_graph_max_len, args.disable_cuda_graph)
+    if static is not None and not static.fits(len(ids), sp.max_new_tokens):
+        warnings.warn(f"prompt ({len(ids)}) + --max-new-tokens ({sp.max_new_tokens}) exceed --cuda-graph-max-len "
+                      f"{static.max_len}: running eagerly")
+        static = None
     if static is not None:
         r = static.generate(ids, sp, verify_method=method)
     else:

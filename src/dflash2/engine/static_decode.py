@@ -181,6 +181,10 @@ class StaticDecoder:
         self.hidden.copy_(hidden); self.U.copy_(U); self.cand.copy_(cand)
 
     # ---- the loop -----------------------------------------------------------------------------
+    def fits(self, prompt_len: int, max_new_tokens: int) -> bool:
+        """Whether a request stays inside the buffers (positions up to the last block's end)."""
+        return prompt_len + max_new_tokens + self.w <= self.max_len
+
     @torch.no_grad()
     def generate(self, prompt_ids, sampling: SamplingParams, verify_method: str | None = None) -> GenerationResult:
         greedy = sampling.greedy
@@ -189,7 +193,7 @@ class StaticDecoder:
             raise ValueError("the greedy verifier is only lossless at temperature 0")
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).view(-1).to(self.target.device)
         L = prompt.numel()
-        if L + sampling.max_new_tokens + self.w > self.max_len:
+        if not self.fits(L, sampling.max_new_tokens):
             raise ValueError(f"prompt ({L}) + max_new_tokens ({sampling.max_new_tokens}) + width ({self.w}) "
                              f"exceeds the static decoder's max_len {self.max_len}")
         sampled = not (greedy and method == "greedy")
