@@ -26,6 +26,9 @@ from ..verification import (SamplingParams, block_verify, probs_from_logits, sam
 from .speculative import GenerationResult, eos_ids, make_generator
 
 
+MAX_SAMPLED_GRAPHS = 8  # sets of sampling parameters whose graphs are kept (oldest dropped first)
+
+
 class Replay:
     """``fn()`` over static buffers: captured once as a CUDA graph (after two warm-up calls on a
     side stream, as PyTorch requires), or called directly when graphs are off."""
@@ -199,6 +202,8 @@ class StaticDecoder:
         sampled = not (greedy and method == "greedy")
         key = (method, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
         if sampled and key not in self.sampled_steps:  # capture now: the prefill below resets every buffer
+            if len(self.sampled_steps) >= MAX_SAMPLED_GRAPHS:  # bound the graphs a long-lived process keeps
+                del self.sampled_steps[next(iter(self.sampled_steps))]
             self.apos.zero_(); self.commit.zero_()
             with torch.no_grad():
                 self.sampled_steps[key] = [Replay(f, self.use_graph, self.pool) for f in self._sampled_fns(method, sampling)]
