@@ -21,8 +21,8 @@ import torch
 from ..model.attention import build_block_mask
 from ..target import TargetModel
 from ..target.static_llama import StaticTarget
-from ..verification import (SamplingParams, block_verify, probs_from_logits, sample_from_probs,
-                            token_level_verify)
+from ..verification import (SamplingParams, block_verify, greedy_verify, probs_from_logits,
+                            sample_from_probs, token_level_verify)
 from .speculative import GenerationResult, eos_ids, make_generator
 
 
@@ -88,8 +88,7 @@ class StaticDecoder:
         self.apos = torch.zeros((), **lng)             # position of ids[0]
         self.commit = torch.zeros((), **lng)           # first position of the rows in feats
         self.anchor = torch.zeros((), **lng)
-        self.out = torch.zeros(self.w + 1, **lng)      # greedy: the target's tokens, then n accepted
-        self.logits = torch.zeros(self.w, target.config.vocab_size, dtype=torch.float32, device=dev)
+        self.out = torch.zeros(self.w + 1, **lng)      # the verifier's emitted row, then n accepted
         self.ar = torch.arange(max(self.w, 1), **lng)
         if draft is not None:
             cfg = draft.config
@@ -115,11 +114,7 @@ class StaticDecoder:
     def _greedy_fns(self):
         def verify():
             logits, feats = self.static.forward(self.ids, self.apos)
-            tgt = logits.argmax(-1)  # first maximum: ties go to the lower id, as greedy_verify
-            n = torch.cumprod((self.ids[1:] == tgt[:-1]).long(), 0).sum()
-            self.out[:self.w].copy_(tgt)
-            self.out[self.w].copy_(n)
-            self._advance(feats, tgt.gather(0, n[None])[0], n)
+            self._accept(greedy_verify(self.ids[None, 1:], logits[None]), feats)
         if self.draft is None:
             return [verify]
 
@@ -141,11 +136,8 @@ class StaticDecoder:
             logits, feats = self.static.forward(self.ids, self.apos)
             p_target = probs_from_logits(logits, *params, capturable=True)
             fn = token_level_verify if method == "token" else block_verify
-            r = fn(self.ids[None, 1:], self.q_draft[None], p_target[None], self.uniforms[None, g:2 * g],
-                   self.uniforms[2 * g:])
-            n = r.num_accepted[0]
-            self.out.copy_(torch.cat([r.tokens[0], n[None]]))
-            self._advance(feats, r.tokens[0].gather(0, n[None])[0], n)
+            self._accept(fn(self.ids[None, 1:], self.q_draft[None], p_target[None], self.uniforms[None, g:2 * g],
+                            self.uniforms[2 * g:]), feats)
         if self.draft is None:
             return [verify]
 
@@ -159,7 +151,12 @@ class StaticDecoder:
             self.q_draft.copy_(sel.dense_q(self.q_draft.shape[-1])[0])
         return [draft, verify]
 
-    def _advance(self, feats, anchor, n) -> None:
+    def _accept(self, result, feats) -> None:
+        """Write the verifier's row and count for the host's one read, and move the anchor to
+        the emitted token (rows of ``feats`` past it are masked from the next draft)."""
+        n = result.num_accepted[0]
+        self.out.copy_(torch.cat([result.tokens[0], n[None]]))
+        anchor = result.tokens[0].gather(0, n[None])[0]
         if self.draft is not None:
             self.feats.copy_(feats)
         self.commit.copy_(self.apos)
