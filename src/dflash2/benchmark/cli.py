@@ -48,8 +48,8 @@ def cmd_speed(args) -> int:
                                                        engine_speed.save(rows, args.output)))
         engine_speed.save(rows, args.output, args.plot)
         return 0
-    from ..target.static_llama import unsupported_reason
-    use_graphs = target.device.type == "cuda" and not args.disable_cuda_graph and unsupported_reason(target) is None
+    from ..engine.static_decode import cuda_graphs_apply
+    use_graphs = cuda_graphs_apply(target, args.disable_cuda_graph)
     print(f"batch 1, {'CUDA graphs over static buffers' if use_graphs else 'eager'}", flush=True)
     rows = side_by_side(target, draft, prompts, widths=[int(w) for w in args.widths.split(",")],
                         temperatures=[float(t) for t in args.temperatures.split(",")],

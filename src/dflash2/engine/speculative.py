@@ -16,6 +16,7 @@ from ..verification import (SamplingParams, block_verify, greedy_verify, probs_f
                             sample_from_probs, token_level_verify)
 
 VERIFY_METHODS = ("greedy", "token", "block")
+SAMPLED_VERIFIERS = {"token": token_level_verify, "block": block_verify}
 
 
 @dataclass
@@ -52,6 +53,32 @@ def eos_ids(target: TargetModel) -> set[int]:
     return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}
 
 
+def stop_ids(target: TargetModel, sampling: SamplingParams) -> set[int]:
+    return set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else eos_ids(target))
+
+
+def resolve_verify_method(sampling: SamplingParams, verify_method: str | None) -> str:
+    """The verifier to use (default: greedy at temperature 0, token-level otherwise), checked."""
+    if verify_method is None:
+        verify_method = "greedy" if sampling.greedy else "token"
+    if verify_method not in VERIFY_METHODS:
+        raise ValueError(f"verify_method must be one of {VERIFY_METHODS}, got {verify_method!r}")
+    if verify_method == "greedy" and not sampling.greedy:
+        raise ValueError("the greedy verifier is only lossless at temperature 0")
+    return verify_method
+
+
+def check_width(has_draft: bool, width: int) -> None:
+    if has_draft and width < 2:
+        raise ValueError(f"width must be >= 2 with a draft, got {width}")
+
+
+def first_token(logits_row: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> int:
+    """The token the prefill emits, from the prompt's last logits row (one uniform of ``gen``)."""
+    p_last = probs_from_logits(logits_row, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+    return int(sample_from_probs(p_last, torch.rand((), generator=gen).to(p_last.device)))
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     gen = torch.Generator()
     gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
@@ -65,24 +92,17 @@ def _verify(method: str, drafts, q_draft, logits, sampling: SamplingParams, gen)
     p_target = probs_from_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
     if q_draft is None:  # a proposer at temperature 0 skips it: its q is one-hot at each draft token
         q_draft = torch.nn.functional.one_hot(drafts, logits.shape[-1]).float()
-    fn = token_level_verify if method == "token" else block_verify
-    return fn(drafts[None], q_draft[None].to(p_target.device), p_target[None],
+    return SAMPLED_VERIFIERS[method](drafts[None], q_draft[None].to(p_target.device), p_target[None],
               torch.rand(1, g, generator=gen).to(p_target.device), torch.rand(1, generator=gen).to(p_target.device))
 
 
 @torch.no_grad()
 def speculative_generate(target: TargetModel, proposer, prompt_ids: list[int] | torch.Tensor,
                          sampling: SamplingParams, width: int = 5, verify_method: str | None = None) -> GenerationResult:
-    if verify_method is None:
-        verify_method = "greedy" if sampling.greedy else "token"
-    if verify_method not in VERIFY_METHODS:
-        raise ValueError(f"verify_method must be one of {VERIFY_METHODS}, got {verify_method!r}")
-    if verify_method == "greedy" and not sampling.greedy:
-        raise ValueError("the greedy verifier is only lossless at temperature 0")
-    if proposer is not None and width < 2:
-        raise ValueError(f"width must be >= 2 with a draft, got {width}")
+    verify_method = resolve_verify_method(sampling, verify_method)
+    check_width(proposer is not None, width)
     gen = make_generator(sampling.seed)
-    stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else eos_ids(target))
+    stops = stop_ids(target, sampling)
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).view(-1)
     L = prompt.numel()
     state = target.new_state()
@@ -91,8 +111,7 @@ def speculative_generate(target: TargetModel, proposer, prompt_ids: list[int] | 
 
     logits, feats = target.forward(state, prompt, logits_to_keep=1)
     target.commit(state, L)
-    p_last = probs_from_logits(logits[-1], sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
-    out = [int(sample_from_probs(p_last, torch.rand((), generator=gen).to(p_last.device)))]
+    out = [first_token(logits[-1], sampling, gen)]
     if proposer is not None:
         proposer.begin(feats)
     res.prefill_s = time.perf_counter() - t0

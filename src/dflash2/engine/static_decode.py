@@ -20,10 +20,10 @@ import torch
 
 from ..model.attention import build_block_mask
 from ..target import TargetModel
-from ..target.static_llama import StaticTarget
-from ..verification import (SamplingParams, block_verify, greedy_verify, probs_from_logits,
-                            sample_from_probs, token_level_verify)
-from .speculative import GenerationResult, eos_ids, make_generator
+from ..target.static_llama import StaticTarget, unsupported_reason
+from ..verification import SamplingParams, greedy_verify, probs_from_logits
+from .speculative import (SAMPLED_VERIFIERS, GenerationResult, check_width, first_token, make_generator,
+                          resolve_verify_method, stop_ids)
 
 
 MAX_SAMPLED_GRAPHS = 8  # sets of sampling parameters whose graphs are kept (oldest dropped first)
@@ -53,16 +53,22 @@ class Replay:
             self.fn()
 
 
-def maybe_static_decoder(target: TargetModel, draft, width: int, max_len: int = 2048,
-                         disable_cuda_graph: bool = False) -> "StaticDecoder | None":
-    """The graphed decoder where it applies (CUDA, a supported target, graphs not disabled), else
-    None (the caller uses ``speculative_generate``); says why when a CUDA target cannot have it."""
+def cuda_graphs_apply(target: TargetModel, disable_cuda_graph: bool = False) -> bool:
+    """Whether batch-1 decoding of ``target`` runs as CUDA graphs: on CUDA, a supported target,
+    graphs not disabled. Says why when a CUDA target cannot have them."""
     if disable_cuda_graph or target.device.type != "cuda":
-        return None
-    from ..target.static_llama import unsupported_reason
+        return False
     reason = unsupported_reason(target)
     if reason:
         warnings.warn(f"CUDA graphs off: the static forward does not support {reason}")
+    return reason is None
+
+
+def maybe_static_decoder(target: TargetModel, draft, width: int, max_len: int = 2048,
+                         disable_cuda_graph: bool = False) -> "StaticDecoder | None":
+    """The graphed decoder where :func:`cuda_graphs_apply`, else None (the caller uses
+    ``speculative_generate``)."""
+    if not cuda_graphs_apply(target, disable_cuda_graph):
         return None
     return StaticDecoder(target, draft, width, min(max_len, int(getattr(target.config, "max_position_embeddings", max_len))))
 
@@ -73,8 +79,7 @@ class StaticDecoder:
 
     def __init__(self, target: TargetModel, draft=None, width: int = 5, max_len: int = 2048,
                  cuda_graph: bool = True):
-        if draft is not None and width < 2:
-            raise ValueError(f"width must be >= 2 with a draft, got {width}")
+        check_width(draft is not None, width)
         self.target, self.draft, self.max_len = target, draft, max_len
         self.w = width if draft is not None else 1
         if draft is not None:
@@ -85,9 +90,8 @@ class StaticDecoder:
         self.use_graph = cuda_graph and dev.type == "cuda"
         lng = dict(dtype=torch.long, device=dev)
         self.ids = torch.zeros(self.w, **lng)          # the block to verify: [anchor, drafts...]
-        self.apos = torch.zeros((), **lng)             # position of ids[0]
+        self.apos = torch.zeros((), **lng)             # position of the anchor
         self.commit = torch.zeros((), **lng)           # first position of the rows in feats
-        self.anchor = torch.zeros((), **lng)
         self.out = torch.zeros(self.w + 1, **lng)      # the verifier's emitted row, then n accepted
         self.ar = torch.arange(max(self.w, 1), **lng)
         if draft is not None:
@@ -121,7 +125,7 @@ class StaticDecoder:
         def draft():
             self._draft_forward()
             sel = self.draft.candidate_selector.walk(
-                (self.U, self.cand), self.hidden, self.anchor[None],
+                (self.U, self.cand), self.hidden, self.ids[:1],
                 torch.zeros(1, device=self.U.device), all_greedy=True)
             self.ids[1:].copy_(sel.tokens[0])
         return [draft, verify]
@@ -135,8 +139,7 @@ class StaticDecoder:
         def verify():
             logits, feats = self.static.forward(self.ids, self.apos)
             p_target = probs_from_logits(logits, *params, capturable=True)
-            fn = token_level_verify if method == "token" else block_verify
-            self._accept(fn(self.ids[None, 1:], self.q_draft[None], p_target[None], self.uniforms[None, g:2 * g],
+            self._accept(SAMPLED_VERIFIERS[method](self.ids[None, 1:], self.q_draft[None], p_target[None], self.uniforms[None, g:2 * g],
                             self.uniforms[2 * g:]), feats)
         if self.draft is None:
             return [verify]
@@ -145,7 +148,7 @@ class StaticDecoder:
             self._draft_forward()
             temp = torch.full((1,), sp.temperature, device=self.U.device)
             sel = self.draft.candidate_selector.walk(
-                (self.U, self.cand), self.hidden, self.anchor[None], temp, self.uniforms[None, :g],
+                (self.U, self.cand), self.hidden, self.ids[:1], temp, self.uniforms[None, :g],
                 sp.top_k, sp.top_p, sp.min_p, all_greedy=sp.greedy, capturable=True)
             self.ids[1:].copy_(sel.tokens[0])
             self.q_draft.copy_(sel.dense_q(self.q_draft.shape[-1])[0])
@@ -160,7 +163,6 @@ class StaticDecoder:
         if self.draft is not None:
             self.feats.copy_(feats)
         self.commit.copy_(self.apos)
-        self.anchor.copy_(anchor)
         self.ids[0].copy_(anchor)
         self.apos.add_(n + 1)
 
@@ -170,15 +172,19 @@ class StaticDecoder:
         the block ``[anchor, MASK...]`` and its candidates."""
         d, w = self.draft, self.w
         rows = self.commit + self.ar
-        lat = d.context_latents(d.fuse(self.feats[None]), rows[None])[:, 0]
-        self.lat[:, 0].index_copy_(1, rows, lat.to(self.lat.dtype))
+        self.lat[:, 0].index_copy_(1, rows, self._latents(self.feats, rows))
         q_pos = (self.apos + self.ar)[None]
         mask = build_block_mask(q_pos, self.apos.expand(1, w), torch.zeros_like(q_pos), self.ctx_pos,
                                 self.ctx_valid, d.config.sliding_window, d.config.is_causal)
-        block = torch.cat([self.anchor[None], torch.full((w - 1,), d.config.mask_token_id, device=q_pos.device)])
+        block = torch.cat([self.ids[:1], torch.full((w - 1,), d.config.mask_token_id, device=q_pos.device)])
         hidden = d(self.target.embed(block[None]), q_pos, self.lat, mask, w)[:, 1:]
         U, cand = d.candidates(hidden, self.target.lm_head_weight)
         self.hidden.copy_(hidden); self.U.copy_(U); self.cand.copy_(cand)
+
+    def _latents(self, feats: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Draft context rows ``[layers, T, D]`` for target features at ``positions``."""
+        d = self.draft
+        return d.context_latents(d.fuse(feats[None]), positions[None])[:, 0].to(self.lat.dtype)
 
     # ---- the loop -----------------------------------------------------------------------------
     def fits(self, prompt_len: int, max_new_tokens: int) -> bool:
@@ -187,37 +193,30 @@ class StaticDecoder:
 
     @torch.no_grad()
     def generate(self, prompt_ids, sampling: SamplingParams, verify_method: str | None = None) -> GenerationResult:
-        greedy = sampling.greedy
-        method = verify_method or ("greedy" if greedy else "token")
-        if method == "greedy" and not greedy:
-            raise ValueError("the greedy verifier is only lossless at temperature 0")
+        method = resolve_verify_method(sampling, verify_method)
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).view(-1).to(self.target.device)
         L = prompt.numel()
         if not self.fits(L, sampling.max_new_tokens):
             raise ValueError(f"prompt ({L}) + max_new_tokens ({sampling.max_new_tokens}) + width ({self.w}) "
                              f"exceeds the static decoder's max_len {self.max_len}")
-        sampled = not (greedy and method == "greedy")
+        sampled = method != "greedy"
         key = (method, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
         if sampled and key not in self.sampled_steps:  # capture now: the prefill below resets every buffer
             if len(self.sampled_steps) >= MAX_SAMPLED_GRAPHS:  # bound the graphs a long-lived process keeps
                 del self.sampled_steps[next(iter(self.sampled_steps))]
             self.apos.zero_(); self.commit.zero_()
-            with torch.no_grad():
-                self.sampled_steps[key] = [Replay(f, self.use_graph, self.pool) for f in self._sampled_fns(method, sampling)]
+            self.sampled_steps[key] = [Replay(f, self.use_graph, self.pool) for f in self._sampled_fns(method, sampling)]
         steps = self.sampled_steps[key] if sampled else self.greedy_step
         gen = make_generator(sampling.seed)
-        stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else eos_ids(self.target))
+        stops = stop_ids(self.target, sampling)
         g = self.w - 1
         res = GenerationResult([], 0, 0, [0] * self.w)
         t0 = time.perf_counter()
         logits, feats = self.static.forward(prompt, torch.zeros((), dtype=torch.long, device=prompt.device))
-        p_last = probs_from_logits(logits[-1], sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
-        out = [int(sample_from_probs(p_last, torch.rand((), generator=gen).to(p_last.device)))]
+        out = [first_token(logits[-1], sampling, gen)]
         if self.draft is not None:
-            d = self.draft
-            lat = d.context_latents(d.fuse(feats[None]), torch.arange(L, device=prompt.device)[None])[:, 0]
-            self.lat[:, 0, :L].copy_(lat)
-        self.apos.fill_(L); self.commit.fill_(L); self.anchor.fill_(out[0]); self.ids[0].fill_(out[0])
+            self.lat[:, 0, :L].copy_(self._latents(feats, torch.arange(L, device=prompt.device)))
+        self.apos.fill_(L); self.commit.fill_(L); self.ids[0].fill_(out[0])
         res.prefill_s = time.perf_counter() - t0
         while out[-1] not in stops and len(out) < sampling.max_new_tokens:
             if sampled:  # the dynamic loop's draws, in its order: propose g, accept g, emit 1
