@@ -12,6 +12,9 @@
                                     # carry work/: start or resume training, export bf16 shards to $OUT
   python scripts/gpu.py bench --acc-limit 1319 --concurrency 1,8,32,64
                                     # carry work/: acceptance (engine) + speed by concurrency
+  python scripts/gpu.py engine --concurrency 1,8,32 --graph-tokens 128 --rounds 1 --eager-limit 8
+                                    # carry work/gsm8k_test.jsonl: the serving engine's CUDA-graph runner
+                                    #   (graph_runner.py): fp32 + bf16 checks, engine speed per concurrency
   python scripts/gpu.py graphs --graph-limit 20 --check-prompts 6 --eager-limit 3 [--breakdown]
                                     # carry work/gsm8k_test.jsonl: batch-1 CUDA graphs (static_decode.py):
                                     #   fp32 + bf16 token checks, graphed side-by-side speed, eager reference
@@ -412,9 +415,102 @@ def stage_graphs(args) -> None:
         (OUT / "graphs.json").write_text(json.dumps(report, indent=1))
 
 
+def stage_engine(args) -> None:
+    """The serving engine's CUDA-graph runner (engine/graph_runner.py): fp32 and bf16 checks
+    (graphed engine at concurrency 8 against the paged, eager engine running the target alone),
+    then engine speed side by side per concurrency, every row graphed (the target alone too),
+    and an eager (paged) reference at one level. Everything in $OUT/engine.json."""
+    import torch
+    from dflash2.benchmark import engine_speed
+    from dflash2.benchmark.speed import gsm8k_test_prompts
+    from dflash2.cli import build_parser, load_models
+    from dflash2.engine.engine import EngineConfig, LLMEngine
+    from dflash2.engine.request import Request
+    from dflash2.training.data import render
+    from dflash2.verification import SamplingParams
+    info = env_report()
+    folder = target_folder() if args.graph_device == "cuda" else ROOT / ".cache" / "smollm2-135m-instruct"
+    prompts = gsm8k_test_prompts(ROOT / "work" / "gsm8k_test.jsonl", 128)
+    report = {"env": info, "check": {}, "speed": {}}
+    OUT.mkdir(parents=True, exist_ok=True)
+
+    def models(dtype):
+        a = build_parser().parse_args(["bench", "speed", "--model-path", str(folder), "--device", args.graph_device,
+                                       "--dtype", dtype])
+        return load_models(a)
+
+    def serve(target, draft, ids, width, runner, disable=False):
+        eng = LLMEngine(target, draft, EngineConfig(max_running_requests=8, speculative=draft is not None,
+                                                    num_draft_tokens=width, context_length=1024, runner=runner,
+                                                    disable_cuda_graph=disable))
+        reqs = [Request(x, SamplingParams(max_new_tokens=args.check_tokens)) for x in ids]
+        for r in reqs:
+            eng.add_request(r)
+        eng.run_until_done()
+        return [r.output_ids for r in reqs], type(eng.runner).__name__, getattr(eng.runner, "use_graph", False)
+
+    for dtype in ("float32", "bfloat16")[2 - args.check_dtypes:]:
+        target, draft, _ = models(dtype)
+        target.set_layer_ids(draft.config.target_layer_ids)
+        ids = [render(target.tokenizer, p) for p in prompts[:args.check_prompts]]
+        ref, *_ = serve(target, None, ids, 2, "paged")
+        row = {}
+        for w in (1, 5, 8):
+            t0 = time.time()
+            out, kind, graphed = serve(target, draft if w > 1 else None, ids, max(w, 2), "auto")
+            row[f"w{w}"] = {"runner": kind, "graphed": graphed, "seconds": round(time.time() - t0, 2),
+                            "identical": sum(a == b for a, b in zip(out, ref)), "of": len(ids),
+                            "first_diff": [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                                           for a, b in zip(out, ref)]}
+        log(f"{dtype}: graphed engine (c=8) vs paged eager target alone: {json.dumps(row)}")
+        report["check"][dtype] = row
+        (OUT / "engine.json").write_text(json.dumps(report, indent=1))
+        if dtype == "float32":
+            del target, draft
+            torch.cuda.empty_cache()
+    if args.breakdown:  # each graph alone at batch 1 (median of 100 synchronised replays), by buffer length
+        from dflash2.engine.graph_runner import GraphModelRunner
+        x = render(target.tokenizer, prompts[0])
+        times = {}
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        for max_len in (1029, 4101):
+            for w in (5, 8):
+                runner = GraphModelRunner(target, draft, w, 1, max_len)
+                req = Request(x, SamplingParams())
+                runner.prefill(req)
+                req.output_ids.append(x[-1])
+                runner._draft([req], "draft_greedy")  # fills the slot's anchor and position
+                for kind in ("draft_greedy", "verify"):
+                    step, _ = runner._graph(kind, 1)
+                    ts = []
+                    for _ in range(100):
+                        sync(); t0 = time.perf_counter(); step(); sync()
+                        ts.append(time.perf_counter() - t0)
+                    times[f"max_len {max_len} w{w} {kind}"] = round(sorted(ts)[50] * 1e3, 3)
+                del runner
+        log(f"graph replay ms: {json.dumps(times)}")
+        report["breakdown_ms"] = times
+    concs = [int(c) for c in args.concurrency.split(",")]
+    for temp in [float(t) for t in args.graph_temperatures.split(",")]:
+        if time.time() - T_START > args.deadline_s - 150:
+            log(f"skip T={temp}: deadline"); continue
+        rows = engine_speed.run(target, draft, prompts, [int(w) for w in args.speed_widths.split(",")],
+                                args.speed_verifiers.split(","), concs, args.graph_tokens, temp,
+                                requests_per_slot=2, rounds=args.rounds)
+        print(f"engine, CUDA graphs, bf16, T={temp}\n" + engine_speed.table(rows), flush=True)
+        report["speed"][f"graphs_t{temp}"] = [r.__dict__ for r in rows]
+        (OUT / "engine.json").write_text(json.dumps(report, indent=1))
+    if args.eager_limit and time.time() - T_START < args.deadline_s - 150:
+        rows = engine_speed.run(target, draft, prompts, [5], ["token"], [args.eager_limit], 64, 0.0,
+                                requests_per_slot=1, rounds=1, disable_cuda_graph=True)
+        print("engine, eager (paged), bf16, T=0\n" + engine_speed.table(rows), flush=True)
+        report["speed"]["eager"] = [r.__dict__ for r in rows]
+        (OUT / "engine.json").write_text(json.dumps(report, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("stage", choices=["stash", "prepare", "train", "bench", "graphs"])
+    ap.add_argument("stage", choices=["stash", "prepare", "train", "bench", "graphs", "engine"])
     ap.add_argument("--graph-limit", type=int, default=20, help="graphs: GSM8K test prompts timed")
     ap.add_argument("--graph-temperatures", default="0,1")
     ap.add_argument("--graph-max-len", type=int, default=1024)
@@ -459,7 +555,7 @@ def main() -> None:
     ap.add_argument("--bench-seconds", type=float, default=150)
     args = ap.parse_args()
     {"stash": stage_stash, "prepare": stage_prepare, "train": stage_train, "bench": stage_bench,
-     "graphs": stage_graphs}[args.stage](args)
+     "graphs": stage_graphs, "engine": stage_engine}[args.stage](args)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
     from dflash2.benchmark import engine_speed as es
     order, speed, warm = [], {"target": [10.0, 30.0], "dflash2 w=5 block": [40.0, 40.0]}, []
 
-    def fake_measure(target, draft, ids, w, block, c, mnt, temp, name, rps=None):
+    def fake_measure(target, draft, ids, w, block, c, mnt, temp, name, rps=None, **kw):
         if name == "warm-up":
             warm.append((c, w, len(order)))
             return None

@@ -82,7 +82,8 @@ class EngineBackend:
             max_running_requests=args.max_running_requests, speculative=draft is not None,
             num_draft_tokens=width if draft is not None else 2,
             block_verification=args.speculative_use_block_verification,
-            context_length=int(getattr(target.config, "max_position_embeddings", 8192))))
+            context_length=int(getattr(target.config, "max_position_embeddings", 8192)),
+            disable_cuda_graph=args.disable_cuda_graph))
         self.engine.start()
         self.args = args
 

@@ -45,7 +45,8 @@ def cmd_speed(args) -> int:
                                 args.verifiers.split(","), [int(c) for c in args.concurrency.split(",")],
                                 args.max_new_tokens, args.temperature, args.requests_per_slot, args.rounds,
                                 on_level=lambda rows: (print(engine_speed.table(rows), flush=True),
-                                                       engine_speed.save(rows, args.output)))
+                                                       engine_speed.save(rows, args.output)),
+                                disable_cuda_graph=args.disable_cuda_graph)
         engine_speed.save(rows, args.output, args.plot)
         return 0
     from ..engine.static_decode import cuda_graphs_apply

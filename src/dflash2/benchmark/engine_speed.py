@@ -34,11 +34,13 @@ class ConcurrencyRow:
 
 
 def measure(target, draft, prompt_ids, width: int, block: bool, concurrency: int, max_new_tokens: int,
-            temperature: float, name: str, requests_per_slot: int | None = None) -> ConcurrencyRow:
+            temperature: float, name: str, requests_per_slot: int | None = None,
+            disable_cuda_graph: bool = False) -> ConcurrencyRow:
     eng = LLMEngine(target, draft, EngineConfig(max_running_requests=concurrency, speculative=draft is not None,
                                                 num_draft_tokens=width if draft is not None else 2,
                                                 block_verification=block, context_length=4096,
-                                                max_total_tokens=max(65536, concurrency * 2048)))
+                                                max_total_tokens=max(65536, concurrency * 2048),
+                                                disable_cuda_graph=disable_cuda_graph))
     n = len(prompt_ids) if requests_per_slot is None else min(len(prompt_ids), requests_per_slot * concurrency)
     n = max(concurrency, n)
     reqs = [Request(prompt_ids[i % len(prompt_ids)], SamplingParams(
@@ -76,7 +78,7 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
 
 def run(target, draft, prompts: list[str], widths, verifiers, concurrencies, max_new_tokens: int,
         temperature: float, requests_per_slot: int | None = None, rounds: int = 1,
-        on_level=None, warmup: bool = True) -> list[ConcurrencyRow]:
+        on_level=None, warmup: bool = True, disable_cuda_graph: bool = False) -> list[ConcurrencyRow]:
     """Every config at every concurrency, ``rounds`` times. Round k runs the configs in an order
     rotated by k (target included), so no config is always the first after a change: on a lent,
     host-bound GPU one row's speed moved 2-3x with its place in the order. ``on_level(rows so far)``
@@ -93,10 +95,12 @@ def run(target, draft, prompts: list[str], widths, verifiers, concurrencies, max
         # target at c=1; the token rows, which ran before the block rows of the same width, took
         # the hit and the block rows after them did not), which skewed every speedup.
         for name, d, w, block in configs if warmup else []:
-            measure(target, d, ids, w, block, c, max_new_tokens, temperature, "warm-up", requests_per_slot)
+            measure(target, d, ids, w, block, c, max_new_tokens, temperature, "warm-up", requests_per_slot,
+                    disable_cuda_graph=disable_cuda_graph)
         for k in range(rounds):
             for name, d, w, block in configs[k % len(configs):] + configs[:k % len(configs)]:
-                row = measure(target, d, ids, w, block, c, max_new_tokens, temperature, name, requests_per_slot)
+                row = measure(target, d, ids, w, block, c, max_new_tokens, temperature, name, requests_per_slot,
+                              disable_cuda_graph=disable_cuda_graph)
                 row.round_slots, slot = [slot], slot + 1
                 done[name].append(row)
         level = [pool_rounds(done[name]) for name, *_ in configs]

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from ..model.context_cache import append_many
-from ..verification import block_verify, probs_from_logits, sample_from_probs, token_level_verify
+from ..verification import (block_verify, greedy_verify, probs_from_logits, sample_from_probs,
+                            token_level_verify)
 from .block_manager import BlockManager
+from .graph_runner import GraphModelRunner, static_bytes
 from .model_runner import ModelRunner
 from .request import Request, Status
 from .scheduler import Scheduler
 from .speculative import eos_ids, make_generator
+from .static_decode import cuda_graphs_apply
 
 
 @dataclass
@@ -30,6 +33,8 @@ class EngineConfig:
     context_length: int = 2048
     max_total_tokens: int = 65536        # KV pool size in tokens (CPU budget; on GPU set from mem fraction)
     page_size: int = 16
+    runner: str = "auto"                 # auto: static buffers + CUDA graphs where they apply, else paged
+    disable_cuda_graph: bool = False     # SGLang's flag: the paged runner on CUDA too (static: eager)
 
     def __post_init__(self):
         if self.max_running_requests < 1:
@@ -38,6 +43,8 @@ class EngineConfig:
             raise ValueError(f"--speculative-num-draft-tokens must be >= 2, got {self.num_draft_tokens}")
         if self.context_length < 2:
             raise ValueError(f"--context-length must be >= 2, got {self.context_length}")
+        if self.runner not in ("auto", "paged", "static"):
+            raise ValueError(f"runner must be auto, paged or static, got {self.runner!r}")
         if self.max_total_tokens < self.page_size:
             raise ValueError(f"KV budget {self.max_total_tokens} tokens is smaller than one page")
 
@@ -63,7 +70,7 @@ class LLMEngine:
         self.width = cfg.num_draft_tokens if self.draft is not None else 1
         self.bm = BlockManager(cfg.max_total_tokens // cfg.page_size, cfg.page_size)
         self.scheduler = Scheduler(self.bm, cfg.max_running_requests, self.width)
-        self.runner = ModelRunner(target, self.draft, self.bm)
+        self.runner = self._make_runner()
         self.stats = EngineStats(accepted_by_position=[0] * max(self.width - 1, 0))
         self.eos = eos_ids(target)
         self.lock = threading.Lock()
@@ -71,6 +78,25 @@ class LLMEngine:
         self._aborts: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stop = False
+
+    def _make_runner(self):
+        """Static slots replayed as CUDA graphs where they apply (CUDA, a dense Llama-family target,
+        graphs not disabled, the slots fit in half the free memory); else the paged runner."""
+        cfg, target = self.cfg, self.target
+        max_len = cfg.context_length + self.width + 1  # the last verify block may run past the context
+        static = cfg.runner == "static" or (cfg.runner == "auto" and cuda_graphs_apply(target, cfg.disable_cuda_graph))
+        if static and cfg.runner == "auto":
+            need = static_bytes(target, self.draft, cfg.max_running_requests, max_len)
+            free = torch.cuda.mem_get_info()[0]
+            if need > free // 2:
+                warnings.warn(f"CUDA graphs off: {cfg.max_running_requests} slots of {max_len} positions need "
+                              f"{need / 2**30:.1f} GiB ({free / 2**30:.1f} free); lower --context-length or "
+                              f"--max-running-requests")
+                static = False
+        if static:
+            return GraphModelRunner(target, self.draft, self.width, cfg.max_running_requests, max_len,
+                                    cuda_graph=not cfg.disable_cuda_graph)
+        return ModelRunner(target, self.draft, self.bm)
 
     # ---- API (any thread) -------------------------------------------------------------------
     def add_request(self, req: Request) -> Request:
@@ -162,37 +188,41 @@ class LLMEngine:
     def _spec_step(self, reqs: list[Request]) -> None:
         t0 = time.perf_counter()
         B, g, device = len(reqs), self.width - 1, self.target.device
-        temp = torch.tensor([r.sampling.temperature for r in reqs], device=device)
-        top_k = torch.tensor([r.sampling.top_k for r in reqs], device=device)
-        top_p = torch.tensor([r.sampling.top_p for r in reqs], device=device)
-        min_p = torch.tensor([r.sampling.min_p for r in reqs], device=device)
         anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=device)
-        if g:
+        # all greedy (the usual batch): argmax acceptance needs no distributions, no uniforms and no
+        # sampling parameters, so the draft block and the selector walk can be one replay
+        greedy = all(r.sampling.greedy for r in reqs)
+        if not greedy:  # per-request sampling parameters, [B] each: temperature, top_k, top_p, min_p
+            temp, top_k, top_p, min_p = (torch.tensor([getattr(r.sampling, f) for r in reqs], device=device)
+                                         for f in ("temperature", "top_k", "top_p", "min_p"))
+        if not g:
+            drafts = torch.empty(B, 0, dtype=torch.long, device=device)
+            q_draft = torch.empty(B, 0, self.target.lm_head_weight.shape[0], device=device)
+        elif greedy:
+            drafts = self.runner.draft_greedy(reqs, self.width)
+        else:
             out, _ = self.runner.draft_logits(reqs, self.width)
             sel_u = torch.stack([torch.rand(g, generator=r.generator) for r in reqs]).to(device)
             sel = self.draft.candidate_selector.walk(out.candidates(), out.hidden, anchors, temp, sel_u, top_k, top_p,
-                                                     min_p, all_greedy=all(r.sampling.greedy for r in reqs))
+                                                     min_p, all_greedy=False)
             drafts, q_draft = sel.tokens, sel.dense_q(self.target.lm_head_weight.shape[0])
-        else:
-            drafts = torch.empty(B, 0, dtype=torch.long, device=device)
-            q_draft = torch.empty(B, 0, self.target.lm_head_weight.shape[0], device=device)
         blocks = torch.cat([anchors[:, None], drafts], dim=1)
         t1 = time.perf_counter()
         logits, feats, handle = self.runner.verify(reqs, blocks)
         if logits.is_cuda:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
-        p_target = probs_from_logits(logits, temp, top_k, top_p, min_p)
-        acc_u = torch.stack([torch.rand(g, generator=r.generator) for r in reqs]).to(device)
-        emit_u = torch.stack([torch.rand((), generator=r.generator) for r in reqs]).to(device)
-        verify = block_verify if self.cfg.block_verification else token_level_verify
-        res = verify(drafts, q_draft, p_target, acc_u, emit_u)
+        if greedy:
+            res = greedy_verify(drafts, logits)
+        else:
+            p_target = probs_from_logits(logits, temp, top_k, top_p, min_p)
+            acc_u = torch.stack([torch.rand(g, generator=r.generator) for r in reqs]).to(device)
+            emit_u = torch.stack([torch.rand((), generator=r.generator) for r in reqs]).to(device)
+            verify = block_verify if self.cfg.block_verification else token_level_verify
+            res = verify(drafts, q_draft, p_target, acc_u, emit_u)
         keep = (res.num_accepted + 1).tolist()
         emitted = res.tokens.tolist()  # one read-back for the whole batch, not one per row
-        self.runner.commit(reqs, handle, keep)
-        if self.draft is not None:  # the accepted rows' target features join each request's draft context
-            append_many(self.draft, [r.draft_cache for r in reqs], [feats[b, :keep[b]] for b in range(B)],
-                        [r.num_committed - keep[b] for b, r in enumerate(reqs)])
+        self.runner.commit(reqs, handle, keep, feats)  # the accepted rows' features join the draft context
         for b, r in enumerate(reqs):
             n = keep[b] - 1
             r.verify_steps += 1

@@ -5,15 +5,15 @@ per layer for K and V); a verify step gathers each request's blocks into one lef
 cache, runs one forward for all requests, and only the accepted rows are written back, so a
 rejection needs no rollback. Targets whose cache is not plain per-layer K/V (hybrid linear
 attention / state space, sliding windows) run one request at a time through the target
-adapter, each with its own cache and recurrent-state snapshots. Static buffers and CUDA graphs
-per batch size would go here, behind the same three methods.
+adapter, each with its own cache and recurrent-state snapshots. On CUDA, dense Llama-family
+targets use :class:`GraphModelRunner` instead (static buffers, CUDA graphs per batch size).
 """
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
 
-from ..model.context_cache import DraftContextCache, draft_block
+from ..model.context_cache import DraftContextCache, append_many, draft_block, greedy_walk
 from ..target import TargetModel
 from .block_manager import BlockManager
 from .request import Request
@@ -107,8 +107,10 @@ class ModelRunner:
         new_kv = [(layer.keys[:, :, L:], layer.values[:, :, L:]) for layer in cache.layers]
         return out.logits.float(), feats, new_kv
 
-    def commit(self, reqs: list[Request], handle, keep: list[int]) -> None:
-        """Keep the first ``keep[b]`` verified rows of each request."""
+    def commit(self, reqs: list[Request], handle, keep: list[int], feats: torch.Tensor | None = None) -> None:
+        """Keep the first ``keep[b]`` verified rows of each request (and their target features,
+        ``feats [B, k, K*H]``, in the draft context)."""
+        starts = [r.num_committed for r in reqs]
         if self.paged and sum(keep):
             dev = self.k_pool[0].device
             dst = [self._slots(r, r.num_committed, n) for r, n in zip(reqs, keep)]
@@ -122,6 +124,8 @@ class ModelRunner:
             if not self.paged:
                 self.target.commit(r.target_state, keep[b])
             r.num_committed += keep[b]
+        if self.draft is not None and feats is not None:
+            append_many(self.draft, [r.draft_cache for r in reqs], [feats[b, :n] for b, n in enumerate(keep)], starts)
 
     # ---- draft --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -131,6 +135,12 @@ class ModelRunner:
         pos = torch.tensor([r.num_committed for r in reqs], device=device)
         return draft_block(self.draft, [r.draft_cache for r in reqs], anchors, pos, width,
                            self.target.embed, self.target.lm_head_weight), anchors
+
+    @torch.no_grad()
+    def draft_greedy(self, reqs: list[Request], width: int) -> torch.Tensor:
+        """Draft tokens ``[B, width-1]`` of an all-greedy batch: the block, then the argmax walk."""
+        out, anchors = self.draft_logits(reqs, width)
+        return greedy_walk(self.draft, out.hidden, anchors, self.target.lm_head_weight)
 
     def release(self, req: Request) -> None:
         req.draft_cache = None

@@ -42,6 +42,7 @@ class Request:
     generator: torch.Generator | None = None
     draft_cache: Any = None
     target_state: Any = None                # per-request target state (hybrid targets)
+    slot: int | None = None                 # its slot in the static-buffer runner, while it holds one
 
     @property
     def all_ids(self) -> list[int]:

@@ -13,6 +13,7 @@ with the uniforms drawn on the host in ``speculative_generate``'s order and copi
 """
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 
@@ -42,9 +43,17 @@ class Replay:
                 for _ in range(2):
                     fn()
             torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
-                fn()
+            # Python's cyclic GC must not run inside the capture: collecting an earlier engine frees
+            # its graphs' memory, which invalidates the capture (seen on the H200 when bench speed
+            # built engine after engine). Collect now, pause it while capturing.
+            gc.collect()
+            gc.disable()
+            try:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, pool=pool):
+                    fn()
+            finally:
+                gc.enable()
 
     def __call__(self) -> None:
         if self.graph is not None:

@@ -94,6 +94,14 @@ class DraftBlockOutput:
         return self.draft.candidates(self.hidden, self.lm_head_weight)
 
 
+def greedy_walk(draft: DFlash2DraftModel, hidden: torch.Tensor, anchors: torch.Tensor,
+                lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """The selector's argmax path ``[B, g]`` over the slots' candidates (no host reads: capturable)."""
+    zeros = torch.zeros(anchors.shape[0], device=anchors.device)
+    return draft.candidate_selector.walk(draft.candidates(hidden, lm_head_weight), hidden, anchors, zeros,
+                                         all_greedy=True).tokens
+
+
 @torch.no_grad()
 def draft_block(draft: DFlash2DraftModel, caches: list[DraftContextCache], anchors: torch.Tensor,
                 anchor_pos: torch.Tensor, width: int, embed: torch.nn.Module,

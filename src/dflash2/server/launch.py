@@ -69,15 +69,17 @@ def cmd_serve(args) -> int:
     cfg = EngineConfig(max_running_requests=args.max_running_requests, speculative=draft is not None,
                        num_draft_tokens=width if draft is not None else 2,
                        block_verification=args.speculative_use_block_verification, context_length=ctx,
-                       max_total_tokens=kv_budget_tokens(args, target), page_size=args.page_size)
+                       max_total_tokens=kv_budget_tokens(args, target), page_size=args.page_size,
+                       disable_cuda_graph=args.disable_cuda_graph)
     engine = LLMEngine(target, draft, cfg)
     engine.start()
     name = args.served_model_name or (args.model_path or "SmolLM2-135M-Instruct")
     parser = {"qwen": "hermes", "qwen25": "hermes"}.get(args.tool_call_parser, args.tool_call_parser)
     app = create_app(engine, target.tokenizer, name, ctx, args.reasoning_parser, parser)
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    graphs = "CUDA graphs over static slots" if getattr(engine.runner, "use_graph", False) else "eager"
     print(f"dflash2 serving {name} on http://{args.host}:{args.port} (width {engine.width}, "
-          f"{cfg.max_total_tokens} KV tokens, max {cfg.max_running_requests} running)", flush=True)
+          f"{cfg.max_total_tokens} KV tokens, max {cfg.max_running_requests} running, {graphs})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     engine.shutdown()
     return 0

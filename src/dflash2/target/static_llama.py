@@ -4,7 +4,8 @@ Hugging Face's forward grows its cache with ``torch.cat`` and builds its mask in
 two steps have the same memory addresses, and its cache classes change between releases (5.17
 on the H200, 5.24 here). This forward reuses the model's own modules (norms, projections,
 rotary embedding, MLP, head) and keeps only the attention loop by hand, over a static cache
-``[layers, kv_heads, max_len, head_dim]`` written at the query positions. Rolling back is
+``[layers, slots, kv_heads, max_len, head_dim]`` written at the query positions (one slot per
+request: the batch-1 decoder uses one, the serving engine one per running request). Rolling back is
 free: rows past the committed length are hidden by the mask (key index <= query position) and
 overwritten by the next step. Dense full-attention Llama / Qwen2 / Qwen3 / Mistral only;
 :meth:`StaticTarget.check` compares its logits with Hugging Face's before it is trusted.
@@ -41,9 +42,10 @@ def unsupported_reason(target: TargetModel) -> str | None:
 
 class StaticTarget:
     """``forward(ids [L], start [] long tensor) -> (logits [L, V] fp32, features [L, K*H])`` with
-    ``start`` a device tensor, so one captured graph serves every position."""
+    ``start`` a device tensor, so one captured graph serves every position; or batched,
+    ``ids [B, L]`` and ``start [B]`` over slots ``slot .. slot+B-1``, each row at its own position."""
 
-    def __init__(self, target: TargetModel, max_len: int):
+    def __init__(self, target: TargetModel, max_len: int, slots: int = 1):
         reason = unsupported_reason(target)
         if reason:
             raise ValueError(f"static forward does not support {reason}")
@@ -55,43 +57,50 @@ class StaticTarget:
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.scaling = getattr(attn, "scaling", self.head_dim ** -0.5)
         self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        shape = (len(self.inner.layers), 1, self.n_kv, max_len, self.head_dim)
+        self.slots = slots
+        shape = (len(self.inner.layers), slots, self.n_kv, max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=target.dtype, device=dev)
         self.v_cache = torch.zeros(shape, dtype=target.dtype, device=dev)
         self.kv_index = torch.arange(max_len, device=dev)
         self.neg = torch.finfo(target.dtype).min
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        L = ids.shape[0]
-        pos = start + self.kv_index[:L]                                         # [L]
+    def forward(self, ids: torch.Tensor, start: torch.Tensor, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        if ids.dim() == 1:
+            logits, feats = self.forward(ids[None], start.view(1), slot)
+            return logits[0], feats[0]
+        B, L = ids.shape
+        pos = start[:, None] + self.kv_index[:L]                                # [B, L]
         # additive mask: key j is visible to the query at position p iff j <= p (stale rows are > p)
-        mask = torch.where(self.kv_index[None] <= pos[:, None], 0.0, self.neg).to(self.target.dtype)[None, None]
-        x = self.inner.embed_tokens(ids[None])
-        cos, sin = self.inner.rotary_emb(x, pos[None])
+        mask = torch.where(self.kv_index <= pos[..., None], 0.0, self.neg).to(self.target.dtype)[:, None]
+        rows = torch.arange(B, device=ids.device)[:, None].expand(B, L)
+        x = self.inner.embed_tokens(ids)
+        cos, sin = self.inner.rotary_emb(x, pos)
         feats = {}
         for i, layer in enumerate(self.inner.layers):
-            x = x + self._attention(i, layer.self_attn, layer.input_layernorm(x), cos, sin, pos, mask)
+            kv = (self.k_cache[i, slot:slot + B], self.v_cache[i, slot:slot + B])
+            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, rows, pos, mask, kv)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in self.target.layer_ids:
-                feats[i] = x[0]
-        logits = self.target.model.lm_head(self.inner.norm(x))[0].float()
-        feats = torch.cat([feats[i] for i in self.target.layer_ids], -1) if feats else x.new_empty(L, 0)
+                feats[i] = x
+        logits = self.target.model.lm_head(self.inner.norm(x)).float()
+        feats = torch.cat([feats[i] for i in self.target.layer_ids], -1) if feats else x.new_empty(B, L, 0)
         return logits, feats
 
-    def _attention(self, i, attn, h, cos, sin, pos, mask):
-        L = h.shape[1]
-        q = attn.q_proj(h).view(1, L, self.n_heads, self.head_dim)
-        k = attn.k_proj(h).view(1, L, self.n_kv, self.head_dim)
+    def _attention(self, attn, h, cos, sin, rows, pos, mask, kv):
+        B, L = h.shape[:2]
+        q = attn.q_proj(h).view(B, L, self.n_heads, self.head_dim)
+        k = attn.k_proj(h).view(B, L, self.n_kv, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        v = attn.v_proj(h).view(1, L, self.n_kv, self.head_dim).transpose(1, 2)
-        self.k_cache[i].index_copy_(2, pos, k)
-        self.v_cache[i].index_copy_(2, pos, v)
-        out = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask,
+        v = attn.v_proj(h).view(B, L, self.n_kv, self.head_dim)
+        k_cache, v_cache = kv                                                   # [B, kv, max_len, d] views
+        k_cache[rows, :, pos] = k.transpose(1, 2)                               # row b's tokens at its positions
+        v_cache[rows, :, pos] = v
+        out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
                                              scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
-        return attn.o_proj(out.transpose(1, 2).reshape(1, L, self.n_heads * self.head_dim))
+        return attn.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
 
     @torch.no_grad()
     def check(self, length: int = 12, atol: float | None = None) -> float:

@@ -1,0 +1,118 @@
+"""The serving engine in-process, with both model runners: the paged one (CPU default) and the
+static-slot one (the CUDA-graph runner, run eagerly here). Many requests of different lengths
+through few slots, so requests finish, slots are refilled and moved, and some are preempted."""
+import warnings
+
+import pytest
+import torch
+
+from targets import VOCAB, build
+from test_speculative import hf_greedy, random_draft
+from dflash2.engine.engine import EngineConfig, LLMEngine
+from dflash2.engine.graph_runner import GraphModelRunner
+from dflash2.engine.model_runner import ModelRunner
+from dflash2.engine.request import Request
+from dflash2.target import TargetModel
+from dflash2.verification import SamplingParams
+
+warnings.filterwarnings("ignore")
+
+
+def _prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(torch.randint(3, 20, (), generator=g)),), generator=g) for _ in range(n)]
+
+
+def _run(target, draft, prompts, runner, width=5, block=False, max_running=3, max_total_tokens=4096, sampled=False,
+         max_new=(30, 12, 21, 7)):
+    """``sampled``: True (every request at T=1 / top-p 0.9), False, or "mixed" (every other one)."""
+    eng = LLMEngine(target, draft, EngineConfig(max_running_requests=max_running, speculative=draft is not None,
+                                                num_draft_tokens=width, block_verification=block, context_length=128,
+                                                max_total_tokens=max_total_tokens, page_size=8, runner=runner))
+    hot = [sampled is True or (sampled == "mixed" and i % 2 == 1) for i in range(len(prompts))]
+    reqs = [Request(p.tolist(), SamplingParams(temperature=1.0 if hot[i] else 0.0, top_p=0.9 if hot[i] else 1.0,
+                                               max_new_tokens=max_new[i % len(max_new)], seed=i))
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        eng.add_request(r)
+    eng.run_until_done()
+    assert all(r.finish_reason in ("stop", "length") for r in reqs), [r.error for r in reqs]
+    return eng, reqs
+
+
+@pytest.fixture(scope="module")
+def llama():
+    t = TargetModel(build("llama", seed=3), layer_ids=[0, 2])
+    return t, random_draft(t, 3).draft
+
+
+def test_auto_picks_paged_on_cpu(llama):
+    t, d = llama
+    eng = LLMEngine(t, d, EngineConfig(max_running_requests=2))
+    assert isinstance(eng.runner, ModelRunner)
+    assert isinstance(LLMEngine(t, d, EngineConfig(max_running_requests=2, runner="static")).runner, GraphModelRunner)
+    with pytest.raises(ValueError, match="runner must be"):
+        EngineConfig(runner="fast")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("width", [1, 5, 8])
+def test_static_runner_greedy_equals_target(arch, width):
+    t = TargetModel(build(arch, seed=width), layer_ids=[0, 2])
+    draft = random_draft(t, width).draft if width > 1 else None
+    prompts = _prompts(8, seed=width)
+    eng, reqs = _run(t, draft, prompts, "static", width=width if draft is not None else 2)
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
+    assert eng.runner.occupant == [] and eng.bm.num_free == eng.bm.num_blocks
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_static_runner_sampled_equals_paged(llama, block):
+    """Same seeds, same uniforms, logits equal to float32 rounding: the same tokens and acceptances."""
+    t, d = llama
+    prompts = _prompts(7, seed=11)
+    _, paged = _run(t, d, prompts, "paged", block=block, sampled=True)
+    _, static = _run(t, d, prompts, "static", block=block, sampled=True)
+    assert [r.output_ids for r in static] == [r.output_ids for r in paged]
+    assert [r.accept_hist for r in static] == [r.accept_hist for r in paged]
+
+
+def test_mixed_batch_greedy_rows_equal_target(llama):
+    """Greedy and sampled requests in one batch (the sampled path for all): greedy rows are the
+    target's own greedy output, and every row matches the paged runner's."""
+    t, d = llama
+    prompts = _prompts(8, seed=21)
+    _, static = _run(t, d, prompts, "static", sampled="mixed")
+    _, paged = _run(t, d, prompts, "paged", sampled="mixed")
+    assert [r.output_ids for r in static] == [r.output_ids for r in paged]
+    for p, r in zip(prompts[::2], static[::2]):
+        assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
+
+
+def test_static_runner_preemption_and_slot_moves(llama):
+    """A KV budget too small for all three running requests: the newest is preempted and
+    re-prefilled into another slot; finished requests' slots are refilled by moving the last one."""
+    t, d = llama
+    prompts = _prompts(9, seed=5)
+    eng, reqs = _run(t, d, prompts, "static", max_total_tokens=96, max_new=(40, 33, 45))
+    assert eng.stats.preemptions > 0
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
+    # the draft saw the same context as in the paged runner: the same drafts were accepted
+    _, paged = _run(t, d, prompts, "paged", max_total_tokens=96, max_new=(40, 33, 45))
+    assert [r.accept_hist for r in reqs] == [r.accept_hist for r in paged]
+
+
+def test_release_keeps_slots_contiguous(llama):
+    t, d = llama
+    runner = GraphModelRunner(t, d, 5, num_slots=4, max_len=64, cuda_graph=False)
+    reqs = [Request([5 + i, 6, 7, 8 + i], SamplingParams()) for i in range(3)]
+    for r in reqs:
+        runner.prefill(r)
+    k_last = runner.static.k_cache[:, 2, :, :4].clone()
+    runner.release(reqs[0])
+    assert runner.occupant == [reqs[2], reqs[1]] and (reqs[2].slot, reqs[1].slot, reqs[0].slot) == (0, 1, None)
+    assert torch.equal(runner.static.k_cache[:, 0, :, :4], k_last)
+    runner.release(reqs[1])
+    assert runner.occupant == [reqs[2]]
