@@ -508,9 +508,58 @@ def stage_engine(args) -> None:
         (OUT / "engine.json").write_text(json.dumps(report, indent=1))
 
 
+def stage_attn(args) -> None:
+    """The engine's graphed verify and draft at batch 1 and 8, target attention through SDPA or
+    as grouped matmuls, buffers of 1,029 and 4,101 positions: median of 100 synchronised replays.
+    Needs no stash: a random target of SmolLM2-135M's shape (timing does not depend on weights)
+    with the shipped drafter. Also the two attention forms' largest logit difference."""
+    import torch
+    import transformers as tf
+    from dflash2.engine.graph_runner import GraphModelRunner
+    from dflash2.engine.request import Request
+    from dflash2.model.checkpoint import load_draft
+    from dflash2.target import TargetModel
+    from dflash2.verification import SamplingParams
+    info = env_report()
+    dev = args.graph_device
+    draft = load_draft(ROOT / "models" / "smollm2-135m-dflash2", device=dev, dtype=torch.bfloat16).eval()
+    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rope_theta=100000.0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    target = TargetModel(tf.LlamaForCausalLM(cfg).to(dev, torch.bfloat16), layer_ids=draft.config.target_layer_ids)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    prompt = torch.randint(100, 40000, (300,)).tolist()
+    times, logits = {}, {}
+    for attention in ("sdpa", "matmul"):
+        for max_len in (1029, 4101):
+            for B in (1, 8):
+                runner = GraphModelRunner(target, draft, 5, B, max_len, cuda_graph=dev == "cuda", attention=attention)
+                reqs = [Request(prompt[:300 - 7 * b], SamplingParams()) for b in range(B)]
+                for r in reqs:
+                    runner.prefill(r)
+                    r.output_ids.append(r.prompt_ids[-1])
+                drafts = runner.draft_greedy(reqs, 5)
+                blocks = torch.cat([torch.tensor([r.all_ids[-1] for r in reqs], device=dev)[:, None], drafts], 1)
+                logits[attention, max_len, B] = runner.verify(reqs, blocks)[0].float().cpu()
+                for kind in ("draft_greedy", "verify"):
+                    step, _ = runner._graph(kind, B)
+                    ts = []
+                    for _ in range(100):
+                        sync(); t0 = time.perf_counter(); step(); sync()
+                        ts.append(time.perf_counter() - t0)
+                    times[f"{attention} max_len {max_len} B{B} {kind}"] = round(sorted(ts)[50] * 1e3, 3)
+                del runner
+    diff = {f"{m} B{b}": float((logits["sdpa", m, b] - logits["matmul", m, b]).abs().max()) for m in (1029, 4101) for b in (1, 8)}
+    log(f"graph replay ms: {json.dumps(times)}")
+    log(f"sdpa vs matmul, largest logit difference (bf16): {json.dumps(diff)}")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "attn.json").write_text(json.dumps({"env": info, "replay_ms": times, "logit_diff": diff}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("stage", choices=["stash", "prepare", "train", "bench", "graphs", "engine"])
+    ap.add_argument("stage", choices=["stash", "prepare", "train", "bench", "graphs", "engine", "attn"])
     ap.add_argument("--graph-limit", type=int, default=20, help="graphs: GSM8K test prompts timed")
     ap.add_argument("--graph-temperatures", default="0,1")
     ap.add_argument("--graph-max-len", type=int, default=1024)
@@ -555,7 +604,7 @@ def main() -> None:
     ap.add_argument("--bench-seconds", type=float, default=150)
     args = ap.parse_args()
     {"stash": stage_stash, "prepare": stage_prepare, "train": stage_train, "bench": stage_bench,
-     "graphs": stage_graphs, "engine": stage_engine}[args.stage](args)
+     "graphs": stage_graphs, "engine": stage_engine, "attn": stage_attn}[args.stage](args)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,30 @@ warnings.filterwarnings("ignore")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_static_forward_matches_hf_with_rollback(arch):
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_static_forward_matches_hf_with_rollback(arch, attention):
     t = TargetModel(build(arch), layer_ids=[0, 2])
-    assert StaticTarget(t, 64).check(length=20) < 1e-4
+    assert StaticTarget(t, 64, attention=attention).check(length=20) < 1e-4
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_static_forward_batched_slots_match_hf(attention):
+    """Rows at different positions in different slots (the serving engine's layout): each row's
+    logits equal HF's forward over that row's own sequence."""
+    t = TargetModel(build("llama", seed=1), layer_ids=[0, 2])
+    st = StaticTarget(t, 48, slots=3, attention=attention)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, VOCAB, (n,), generator=g) for n in (9, 14, 6)]
+    for s, x in enumerate(seqs[:2]):  # prefill slots 1 and 2 with the first two prompts' heads
+        st.forward(x[:-4], torch.zeros((), dtype=torch.long), slot=s + 1)
+    st.forward(seqs[2][:2], torch.zeros((), dtype=torch.long), slot=0)
+    # one batched pass over slots 0-2: 4 new tokens each, at positions 2, 5 and 10
+    ids = torch.stack([seqs[2][2:6], seqs[0][-4:], seqs[1][-4:]])
+    logits, _ = st.forward(ids, torch.tensor([2, 5, 10]))
+    for row, x in zip(logits, [seqs[2], seqs[0], seqs[1]]):
+        ref = t.model(input_ids=x[None], use_cache=False).logits[0].float()
+        n = 6 if x is seqs[2] else len(x)
+        assert (row - ref[n - 4:n]).abs().max() < 1e-4
 
 
 def test_static_forward_refuses_other_layouts():

@@ -25,6 +25,7 @@ from .request import Request
 from .static_decode import Replay
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+ATTENTION = "sdpa"  # the target's attention over the slot buffers (StaticTarget: sdpa or matmul)
 
 
 def static_bytes(target: TargetModel, draft, slots: int, max_len: int) -> int:
@@ -41,9 +42,9 @@ def static_bytes(target: TargetModel, draft, slots: int, max_len: int) -> int:
 
 class GraphModelRunner:
     def __init__(self, target: TargetModel, draft, width: int, num_slots: int, max_len: int,
-                 cuda_graph: bool = True):
+                 cuda_graph: bool = True, attention: str = ATTENTION):
         self.target, self.draft, self.w, self.max_len = target, draft, width, max_len
-        self.static = StaticTarget(target, max_len, slots=num_slots)
+        self.static = StaticTarget(target, max_len, slots=num_slots, attention=attention)
         self.static.check()  # refuse a layout the hand-written forward does not reproduce
         dev = target.device
         self.use_graph = cuda_graph and dev.type == "cuda"

@@ -45,11 +45,13 @@ class StaticTarget:
     ``start`` a device tensor, so one captured graph serves every position; or batched,
     ``ids [B, L]`` and ``start [B]`` over slots ``slot .. slot+B-1``, each row at its own position."""
 
-    def __init__(self, target: TargetModel, max_len: int, slots: int = 1):
+    def __init__(self, target: TargetModel, max_len: int, slots: int = 1, attention: str = "sdpa"):
         reason = unsupported_reason(target)
         if reason:
             raise ValueError(f"static forward does not support {reason}")
-        self.target, self.max_len = target, max_len
+        if attention not in ("sdpa", "matmul"):
+            raise ValueError(f"attention must be sdpa or matmul, got {attention!r}")
+        self.target, self.max_len, self.attention = target, max_len, attention
         cfg, dev = target.config, target.device
         self.inner = target.model.model
         attn = self.inner.layers[0].self_attn
@@ -98,9 +100,23 @@ class StaticTarget:
         k_cache, v_cache = kv                                                   # [B, kv, max_len, d] views
         k_cache[rows, :, pos] = k.transpose(1, 2)                               # row b's tokens at its positions
         v_cache[rows, :, pos] = v
-        out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
-                                             scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
+        if self.attention == "sdpa":
+            out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
+                                                 scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
+        else:
+            out = self._grouped_attention(q, k_cache, v_cache, mask)
         return attn.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
+
+    def _grouped_attention(self, q, k_cache, v_cache, mask):
+        """Attention as two batched matmuls, the query heads of each KV head stacked as rows (head
+        ``h`` reads KV head ``h // group``, as HF's ``repeat_kv``): no expanded K/V, no choice of
+        SDPA backend, scores and softmax in fp32. ``q [B, H, L, d]``, caches ``[B, kv, S, d]``."""
+        B, H, L, d = q.shape
+        g, S = H // self.n_kv, k_cache.shape[2]
+        scores = torch.matmul(q.reshape(B, self.n_kv, g * L, d), k_cache.transpose(-1, -2)).float()
+        scores = scores.view(B, self.n_kv, g, L, S) * self.scaling + mask[:, :, None]
+        probs = scores.softmax(-1).to(q.dtype).view(B, self.n_kv, g * L, S)
+        return torch.matmul(probs, v_cache).view(B, H, L, d)
 
     @torch.no_grad()
     def check(self, length: int = 12, atol: float | None = None) -> float:
