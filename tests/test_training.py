@@ -100,3 +100,46 @@ def test_train_end_to_end(tmp_path):
     h2 = train(tc2, target=target)["history"]
     assert h2[0]["ce"] < first - 0.5 and all(0 < r["kl"] < 50 for r in h2)
     assert all(0 < r["selector_kl"] < 20 for r in h2)
+
+
+def test_training_prompts_and_generated_data():
+    """GSM8K train prompts carry the card's suffix; test questions are dropped even when mixed in;
+    ShareGPT first turns load from the package; responses generated in left-padded batches equal
+    the target's own greedy answer to each prompt alone, and the loss mask covers the response only."""
+    import transformers as tf
+    from dflash2.target.loading import default_target_path
+    from dflash2.training.data import (GSM8K_SUFFIX, SHARED, generate_responses, gsm8k_prompts, render,
+                                       sharegpt_prompts, without_eval_prompts)
+    gsm = SHARED / "data" / "gsm8k"
+    train_p, test_p = gsm8k_prompts(gsm / "train.jsonl", 4), gsm8k_prompts(gsm / "test.jsonl", 3)
+    assert all(p.endswith(GSM8K_SUFFIX) for p in train_p)
+    kept, dropped = without_eval_prompts(test_p[:2] + train_p + [test_p[2].removesuffix(GSM8K_SUFFIX).strip()])
+    assert kept == train_p and dropped == 3
+    share = sharegpt_prompts(3)
+    assert len(share) == 3 and all(10 < len(p) <= 1500 for p in share)
+
+    tok = tf.AutoTokenizer.from_pretrained(default_target_path())
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), bos_token_id=1, pad_token_id=0)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    prompts = [train_p[0], "Hi", share[0][:200], train_p[1]]  # different lengths: left padding in a batch
+    rows = generate_responses(model, tok, prompts, batch_size=3, max_new_tokens=12)
+    by_prompt = {tuple(r["ids"][:r["prompt_len"]].tolist()): r for r in rows}
+    for p in prompts:
+        ids = render(tok, p)
+        r = by_prompt[tuple(ids)]
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0].tolist()
+        assert r["ids"].tolist() == ref and r["prompt_len"] == len(ids)
+    ds = TokenDataset(rows)
+    ids, loss_mask, valid = ds.batch(list(range(len(rows))), max_len=512, pad_id=0)
+    for b, r in enumerate(rows):
+        n, P = len(r["ids"]), r["prompt_len"]
+        assert not loss_mask[b, :P].any() and loss_mask[b, P:n].all() and not loss_mask[b, n:].any()
+        assert valid[b, :n].all() and not valid[b, n:].any()

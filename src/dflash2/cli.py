@@ -210,12 +210,18 @@ def cmd_train(args) -> int:
 
 def cmd_prepare_data(args) -> int:
     from .target.loading import load_target
-    from .training.data import TokenDataset, generate_responses, gsm8k_prompts, sharegpt_prompts
+    from .training.data import (TokenDataset, generate_responses, gsm8k_prompts, sharegpt_prompts,
+                                 without_eval_prompts)
 
     target = load_target(args.model_path, args.dtype, args.device)
     prompts = gsm8k_prompts(args.gsm8k_path, args.gsm8k_limit)
     if args.sharegpt > 0:
         prompts += sharegpt_prompts(args.sharegpt)
+    prompts, dropped = without_eval_prompts(prompts)
+    if dropped:
+        print(f"dropped {dropped} prompts that are GSM8K test questions (evaluation prompts never enter)")
+    if not prompts:
+        raise SystemExit("no training prompts left")
     rows = generate_responses(target.model, target.tokenizer, prompts, args.batch_size, args.max_new_tokens,
                               args.temperature, args.top_p, args.seed)
     TokenDataset(rows).save(args.output)

