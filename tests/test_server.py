@@ -66,11 +66,12 @@ def _start(root, *extra):
     raise RuntimeError("server did not start")
 
 
-@pytest.fixture(scope="module")
-def server(models):
+@pytest.fixture(scope="module", params=["paged", "static"])
+def server(models, request):
+    """Both model runners: paged (the CPU default) and the static-slot CUDA-graph runner, eagerly."""
     root, model, tok = models
     proc, url = _start(root, "--max-running-requests", "8", "--max-total-tokens", "384", "--page-size", "8",
-                       "--speculative-num-draft-tokens", "5")
+                       "--speculative-num-draft-tokens", "5", "--model-runner", request.param)
     yield url, model, tok
     proc.terminate(); proc.wait(10)
 
@@ -160,14 +161,16 @@ def test_disconnects_and_preemption_leave_pool_full(server):
                     return "cut"
 
     def long(p):
-        return client.chat.completions.create(model="default", messages=[{"role": "user", "content": p}],
-                                              max_tokens=80, temperature=0,
-                                              extra_body={"ignore_eos": True}).choices[0].finish_reason
+        c = client.chat.completions.create(model="default", messages=[{"role": "user", "content": p}],
+                                           max_tokens=80, temperature=0, extra_body={"ignore_eos": True}).choices[0]
+        return c.finish_reason, c.message.content
 
     with cf.ThreadPoolExecutor(12) as ex:
         futs = [ex.submit(cut_stream, p) for p in PROMPTS[:4]] + [ex.submit(long, p) for p in PROMPTS[4:12]]
         results = [f.result() for f in futs]
-    assert results[4:] == ["length"] * 8
+    assert [r[0] for r in results[4:]] == ["length"] * 8
+    # aborted streams and preempted requests moved and freed slots under the others: their text is unchanged
+    assert [r[1] for r in results[4:]] == [long(p)[1] for p in PROMPTS[4:12]]
     for _ in range(300):
         m = _metrics(url)
         if m["dflash2_num_running_reqs"] == 0 and m["dflash2_num_waiting_reqs"] == 0:

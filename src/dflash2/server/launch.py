@@ -22,6 +22,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--reasoning-parser", default=None)
     p.add_argument("--tool-call-parser", default=None)
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--model-runner", default="auto", choices=["auto", "paged", "static"],
+                   help="not an SGLang flag: auto = static slots + CUDA graphs where they apply, else paged; "
+                        "static on the CPU runs the graph runner's code eagerly (tests, debugging)")
     p.set_defaults(fn=cmd_serve)
 
 
@@ -70,7 +73,7 @@ def cmd_serve(args) -> int:
                        num_draft_tokens=width if draft is not None else 2,
                        block_verification=args.speculative_use_block_verification, context_length=ctx,
                        max_total_tokens=kv_budget_tokens(args, target), page_size=args.page_size,
-                       disable_cuda_graph=args.disable_cuda_graph)
+                       disable_cuda_graph=args.disable_cuda_graph, runner=args.model_runner)
     engine = LLMEngine(target, draft, cfg)
     engine.start()
     name = args.served_model_name or (args.model_path or "SmolLM2-135M-Instruct")
