@@ -479,9 +479,9 @@ def stage_engine(args) -> None:
                 req = Request(x, SamplingParams())
                 runner.prefill(req)
                 req.output_ids.append(x[-1])
-                runner._draft([req], "draft_greedy")  # fills the slot's anchor and position
-                for kind in ("draft_greedy", "verify"):
-                    step, _ = runner._graph(kind, 1)
+                runner.propose([req], w, None)  # fills the slot's anchor and position
+                for kind in ("draft", "verify"):
+                    step, _ = runner._graph(kind, 1, True)
                     ts = []
                     for _ in range(100):
                         sync(); t0 = time.perf_counter(); step(); sync()
@@ -539,11 +539,11 @@ def stage_attn(args) -> None:
                 for r in reqs:
                     runner.prefill(r)
                     r.output_ids.append(r.prompt_ids[-1])
-                drafts = runner.draft_greedy(reqs, 5)
+                drafts, _ = runner.propose(reqs, 5, None)
                 blocks = torch.cat([torch.tensor([r.all_ids[-1] for r in reqs], device=dev)[:, None], drafts], 1)
-                logits[attention, max_len, B] = runner.verify(reqs, blocks)[0].float().cpu()
-                for kind in ("draft_greedy", "verify"):
-                    step, _ = runner._graph(kind, B)
+                logits[attention, max_len, B] = runner.static.forward(blocks, runner.start[:B])[0].float().cpu()
+                for kind in ("draft", "verify"):
+                    step, _ = runner._graph(kind, B, True)
                     ts = []
                     for _ in range(100):
                         sync(); t0 = time.perf_counter(); step(); sync()

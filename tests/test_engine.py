@@ -116,3 +116,24 @@ def test_release_keeps_slots_contiguous(llama):
     assert torch.equal(runner.static.k_cache[:, 0, :, :4], k_last)
     runner.release(reqs[1])
     assert runner.occupant == [reqs[2]]
+
+
+@pytest.mark.parametrize("runner", ["paged", "static"])
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_engine_sampled_equals_single_request_loop(llama, runner, method):
+    """One request at a time, the engine draws each request's uniforms in the single-request loop's
+    order, so a seeded sampled request gives ``speculative_generate``'s tokens (whose distribution the
+    statistical tests check) through either runner."""
+    from dflash2.engine import speculative_generate
+    from dflash2.engine.proposers import DFlashProposer
+    t, d = llama
+    prop = DFlashProposer(d, t.embed, t.lm_head_weight)
+    for k in range(3):
+        prompt = torch.randint(3, VOCAB, (9,), generator=torch.Generator().manual_seed(k))
+        sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=30, seed=k, ignore_eos=True)
+        ref = speculative_generate(t, prop, prompt, sp, width=5, verify_method=method)
+        eng = LLMEngine(t, d, EngineConfig(max_running_requests=1, num_draft_tokens=5, block_verification=method == "block",
+                                           context_length=128, max_total_tokens=1024, page_size=8, runner=runner))
+        r = eng.add_request(Request(prompt.tolist(), sp))
+        eng.run_until_done()
+        assert r.output_ids == ref.token_ids and r.accept_hist == ref.accept_hist

@@ -139,8 +139,15 @@ def test_capturable_probs_equal_default_path():
                                   (1.0, -1, 1.0, 0.0), (0.0, -1, 0.9, 0.0), (1.0, 2000, 0.99, 0.0)]:
         ref = probs_from_logits(logits, temp, k, top_p, min_p)
         torch.testing.assert_close(probs_from_logits(logits, temp, k, top_p, min_p, capturable=True), ref)
-    with pytest.raises(TypeError, match="Python scalars"):
-        probs_from_logits(logits, 1.0, torch.tensor(5), capturable=True)
+    # per-row tensors (the serving engine's graphs): every row as the default path gives it
+    temp = torch.tensor([1.0, 0.7, 0.0, 1.3, 1.0, 1.0])
+    k = torch.tensor([-1, 50, -1, -1, 2000, -1])
+    top_p, min_p = torch.tensor([0.95, 1.0, 0.9, 1.0, 0.99, 1.0]), torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.0])
+    torch.testing.assert_close(probs_from_logits(logits, temp, k, top_p, min_p, capturable=True),
+                               probs_from_logits(logits, temp, k, top_p, min_p))
+    # top_p 1 drops nothing, even where the cumulative sum rounds past 1 in a row's tail
+    flat = torch.zeros(1, 3000)
+    assert (probs_from_logits(flat, 1.0, torch.tensor([-1]), torch.tensor([1.0]), capturable=True) > 0).all()
 
 
 def test_static_decoder_only_on_cuda():

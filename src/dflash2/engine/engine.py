@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..verification import (block_verify, greedy_verify, probs_from_logits, sample_from_probs,
-                            token_level_verify)
+from ..verification import probs_from_logits, sample_from_probs
 from .block_manager import BlockManager
 from .graph_runner import GraphModelRunner, static_bytes
 from .model_runner import ModelRunner
 from .request import Request, Status
 from .scheduler import Scheduler
 from .speculative import eos_ids, make_generator
+from .steps import BatchSampling
 from .static_decode import cuda_graphs_apply
 
 
@@ -95,7 +95,7 @@ class LLMEngine:
                 static = False
         if static:
             return GraphModelRunner(target, self.draft, self.width, cfg.max_running_requests, max_len,
-                                    cuda_graph=not cfg.disable_cuda_graph)
+                                    cuda_graph=not cfg.disable_cuda_graph, block_verification=cfg.block_verification)
         return ModelRunner(target, self.draft, self.bm)
 
     # ---- API (any thread) -------------------------------------------------------------------
@@ -189,40 +189,20 @@ class LLMEngine:
         t0 = time.perf_counter()
         B, g, device = len(reqs), self.width - 1, self.target.device
         anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=device)
-        # all greedy (the usual batch): argmax acceptance needs no distributions, no uniforms and no
-        # sampling parameters, so the draft block and the selector walk can be one replay
-        greedy = all(r.sampling.greedy for r in reqs)
-        if not greedy:  # per-request sampling parameters, [B] each: temperature, top_k, top_p, min_p
-            temp, top_k, top_p, min_p = (torch.tensor([getattr(r.sampling, f) for r in reqs], device=device)
-                                         for f in ("temperature", "top_k", "top_p", "min_p"))
-        if not g:
+        # all greedy (the usual batch): argmax acceptance needs no distributions, uniforms or parameters
+        sampling = None if all(r.sampling.greedy for r in reqs) else BatchSampling.draw(reqs, g, device)
+        if g:
+            drafts, q_draft = self.runner.propose(reqs, self.width, sampling)
+        else:
             drafts = torch.empty(B, 0, dtype=torch.long, device=device)
             q_draft = torch.empty(B, 0, self.target.lm_head_weight.shape[0], device=device)
-        elif greedy:
-            drafts = self.runner.draft_greedy(reqs, self.width)
-        else:
-            out, _ = self.runner.draft_logits(reqs, self.width)
-            sel_u = torch.stack([torch.rand(g, generator=r.generator) for r in reqs]).to(device)
-            sel = self.draft.candidate_selector.walk(out.candidates(), out.hidden, anchors, temp, sel_u, top_k, top_p,
-                                                     min_p, all_greedy=False)
-            drafts, q_draft = sel.tokens, sel.dense_q(self.target.lm_head_weight.shape[0])
         blocks = torch.cat([anchors[:, None], drafts], dim=1)
         t1 = time.perf_counter()
-        logits, feats, handle = self.runner.verify(reqs, blocks)
-        if logits.is_cuda:
-            torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        if greedy:
-            res = greedy_verify(drafts, logits)
-        else:
-            p_target = probs_from_logits(logits, temp, top_k, top_p, min_p)
-            acc_u = torch.stack([torch.rand(g, generator=r.generator) for r in reqs]).to(device)
-            emit_u = torch.stack([torch.rand((), generator=r.generator) for r in reqs]).to(device)
-            verify = block_verify if self.cfg.block_verification else token_level_verify
-            res = verify(drafts, q_draft, p_target, acc_u, emit_u)
+        res, handle = self.runner.verify(reqs, blocks, q_draft, sampling, self.cfg.block_verification)
         keep = (res.num_accepted + 1).tolist()
+        t2 = time.perf_counter()
         emitted = res.tokens.tolist()  # one read-back for the whole batch, not one per row
-        self.runner.commit(reqs, handle, keep, feats)  # the accepted rows' features join the draft context
+        self.runner.commit(reqs, handle, keep)
         for b, r in enumerate(reqs):
             n = keep[b] - 1
             r.verify_steps += 1

@@ -18,11 +18,13 @@ import warnings
 import torch
 
 from ..model.attention import build_block_mask
-from ..model.context_cache import DraftBlockOutput, greedy_walk
+from ..verification import VerifyResult
 from ..target import TargetModel
 from ..target.static_llama import StaticTarget
 from .request import Request
+from . import steps
 from .static_decode import Replay
+from .steps import BatchSampling
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 ATTENTION = "sdpa"  # the target's attention over the slot buffers (StaticTarget: sdpa or matmul)
@@ -42,8 +44,9 @@ def static_bytes(target: TargetModel, draft, slots: int, max_len: int) -> int:
 
 class GraphModelRunner:
     def __init__(self, target: TargetModel, draft, width: int, num_slots: int, max_len: int,
-                 cuda_graph: bool = True, attention: str = ATTENTION):
+                 cuda_graph: bool = True, block_verification: bool = False, attention: str = ATTENTION):
         self.target, self.draft, self.w, self.max_len = target, draft, width, max_len
+        self.block = block_verification
         self.static = StaticTarget(target, max_len, slots=num_slots, attention=attention)
         self.static.check()  # refuse a layout the hand-written forward does not reproduce
         dev = target.device
@@ -54,6 +57,15 @@ class GraphModelRunner:
         self.start = torch.zeros(num_slots, **lng)         # per slot: the anchor's position
         self.ar = torch.arange(width, **lng)
         self.occupant: list[Request] = []                  # occupant[s] holds slot s
+        # per slot, for sampled batches: parameters, uniforms, and q_draft from the draft graph
+        # (idle slots keep a previous occupant's values: valid inputs whose results nobody reads)
+        f32 = dict(dtype=torch.float32, device=dev)
+        g, V = width - 1, target.lm_head_weight.shape[0]
+        self.sampling = BatchSampling(torch.ones(num_slots, **f32), torch.full((num_slots,), -1, **lng),
+                                      torch.ones(num_slots, **f32), torch.zeros(num_slots, **f32),
+                                      torch.full((num_slots, g), 0.5, **f32), torch.full((num_slots, g), 0.5, **f32),
+                                      torch.full((num_slots,), 0.5, **f32))
+        self.q_draft = torch.zeros(num_slots, g, V, **f32)
         if draft is not None:
             d = draft.config
             p = next(draft.parameters())
@@ -66,16 +78,22 @@ class GraphModelRunner:
         # Capture every bucket now, largest first so smaller ones reuse its memory (a capture inside a
         # step would cost that step ~0.1 s); the idle slots the warm-up calls write into are
         # overwritten by each request's prefill.
-        if self.use_graph:
+        # Greedy graphs first; a failed capture leaves that kind of step eager over the same buffers
+        # (slower, still correct) rather than the engine down.
+        self.graphed = {True: self.use_graph, False: self.use_graph}  # by "greedy batch"
+        for greedy in (True, False):
+            if not self.use_graph:
+                break
             try:
                 for B in reversed(self.buckets):
-                    self._graph("verify", B)
+                    self._graph("verify", B, greedy)
                     if draft is not None:
-                        self._graph("draft", B)
-                        self._graph("draft_greedy", B)
-            except RuntimeError as e:  # serve eagerly over the same buffers rather than not at all
-                warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); this engine runs eagerly")
-                self.use_graph, self.graphs = False, {}
+                        self._graph("draft", B, greedy)
+            except RuntimeError as e:
+                warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); "
+                              f"{'greedy' if greedy else 'sampled'} steps run eagerly")
+                self.graphed[greedy] = False
+                self.graphs = {k: v for k, v in self.graphs.items() if k[2] != greedy}
 
     # ---- slots --------------------------------------------------------------------------------
     def _index(self, reqs: list[Request]) -> tuple[torch.Tensor, int]:
@@ -101,26 +119,34 @@ class GraphModelRunner:
         self.occupant.pop()
 
     # ---- the captured functions ---------------------------------------------------------------
-    def _graph(self, kind: str, B: int) -> tuple[Replay, dict]:
+    def _graph(self, kind: str, B: int, greedy: bool) -> tuple[Replay, dict]:
         """The bucket's graph (captured at start-up on CUDA; eager functions otherwise)."""
-        if (kind, B) not in self.graphs:
+        key = (kind, B, greedy)
+        if key not in self.graphs:
             out: dict = {}
-            fn = {"verify": self._verify_fn, "draft": self._draft_fn, "draft_greedy": self._draft_greedy_fn}[kind]
-            fn = (lambda f=fn: f(B, out))
+            fn = self._verify_fn if kind == "verify" else self._draft_fn
             with torch.no_grad():
-                self.graphs[kind, B] = (Replay(fn, self.use_graph, self.pool), out)
-        return self.graphs[kind, B]
+                self.graphs[key] = (Replay(lambda: fn(B, greedy, out), self.graphed[greedy], self.pool), out)
+        return self.graphs[key]
 
-    def _verify_fn(self, B: int, out: dict) -> None:
+    def _rows(self, B: int, greedy: bool) -> BatchSampling | None:
+        """The first ``B`` slots' sampling buffers (None: a greedy batch)."""
+        if greedy:
+            return None
+        return BatchSampling(*(getattr(self.sampling, f)[:B] for f in BatchSampling.__dataclass_fields__))
+
+    def _verify_fn(self, B: int, greedy: bool, out: dict) -> None:
         logits, feats = self.static.forward(self.ids[:B], self.start[:B])
         if self.draft is not None:  # every row's latent at its position (rows past the accepted ones stay masked)
             pos = self.start[:B, None] + self.ar
             rows = torch.arange(B, device=pos.device)[:, None].expand_as(pos)
             d = self.draft
             self.lat[:, rows, pos] = d.context_latents(d.fuse(feats), pos).to(self.lat.dtype)
-        out["logits"] = logits
+        res = steps.accept(logits, self.ids[:B, 1:], self.q_draft[:B], self._rows(B, greedy), self.block,
+                           capturable=True)
+        out["n"], out["tokens"] = res.num_accepted, res.tokens
 
-    def _draft_fn(self, B: int, out: dict) -> None:
+    def _draft_fn(self, B: int, greedy: bool, out: dict) -> None:
         d, w = self.draft, self.w
         apos = self.start[:B]
         q_pos = apos[:, None] + self.ar
@@ -129,11 +155,12 @@ class GraphModelRunner:
                                 d.config.sliding_window, d.config.is_causal)
         block = self.ids[:B].clone()
         block[:, 1:] = d.config.mask_token_id
-        out["hidden"] = d(self.target.embed(block), q_pos, self.lat[:, :B], mask, w)[:, 1:]
-
-    def _draft_greedy_fn(self, B: int, out: dict) -> None:
-        self._draft_fn(B, out)
-        out["tokens"] = greedy_walk(self.draft, out["hidden"], self.ids[:B, 0], self.target.lm_head_weight)
+        hidden = d(self.target.embed(block), q_pos, self.lat[:, :B], mask, w)[:, 1:]
+        tokens, q = steps.propose(d, hidden, self.ids[:B, 0], self.target.lm_head_weight, self._rows(B, greedy),
+                                  capturable=True)
+        if q is not None:
+            self.q_draft[:B].copy_(q)
+        out["tokens"] = tokens
 
     # ---- the runner's methods -----------------------------------------------------------------
     @torch.no_grad()
@@ -151,37 +178,38 @@ class GraphModelRunner:
         req.slot, req.num_committed = s, len(ids)
         return logits[-1]
 
-    def _draft(self, reqs: list[Request], kind: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
-        dev = self.target.device
-        anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=dev)
+    def _load(self, reqs: list[Request], blocks: torch.Tensor, sampling: BatchSampling | None) -> tuple[torch.Tensor, int]:
+        """Each request's block (or anchor), position and sampling rows into its slot."""
         idx, B = self._index(reqs)
-        self.ids[idx, 0] = anchors
-        self.start[idx] = torch.tensor([r.num_committed for r in reqs], device=dev)
-        step, out = self._graph(kind, B)
+        self.ids[idx, :blocks.shape[1]] = blocks
+        self.start[idx] = torch.tensor([r.num_committed for r in reqs], device=idx.device)
+        if sampling is not None:
+            for f in BatchSampling.__dataclass_fields__:
+                getattr(self.sampling, f)[idx] = getattr(sampling, f).to(getattr(self.sampling, f).dtype)
+        return idx, B
+
+    @torch.no_grad()
+    def propose(self, reqs: list[Request], width: int, sampling: BatchSampling | None):
+        """Draft tokens ``[B, width-1]`` in one replay (block, candidates, walk); ``q_draft`` stays in
+        its slot buffer for the verify graph (None is returned in its place)."""
+        anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=self.ids.device)
+        idx, B = self._load(reqs, anchors[:, None], sampling)
+        step, out = self._graph("draft", B, sampling is None)
         step()
-        return out, idx, anchors
+        return out["tokens"][idx], None
 
     @torch.no_grad()
-    def draft_logits(self, reqs: list[Request], width: int):
-        out, idx, anchors = self._draft(reqs, "draft")
-        return DraftBlockOutput(out["hidden"][idx], self.draft, self.target.lm_head_weight), anchors
-
-    @torch.no_grad()
-    def draft_greedy(self, reqs: list[Request], width: int) -> torch.Tensor:
-        """Draft tokens ``[B, width-1]`` of an all-greedy batch: block, candidates and walk in one replay."""
-        out, idx, _ = self._draft(reqs, "draft_greedy")
-        return out["tokens"][idx]
-
-    @torch.no_grad()
-    def verify(self, reqs: list[Request], blocks: torch.Tensor):
-        idx, B = self._index(reqs)
-        self.ids[idx] = blocks.to(self.ids.device)
-        self.start[idx] = torch.tensor([r.num_committed for r in reqs], device=self.ids.device)
-        step, out = self._graph("verify", B)
+    def verify(self, reqs: list[Request], blocks: torch.Tensor, q_draft, sampling: BatchSampling | None,
+               block: bool) -> tuple[VerifyResult, None]:
+        """Target forward, draft latents and the verifier in one replay."""
+        if block != self.block:
+            raise ValueError("this runner's graphs were captured for the other verifier")
+        idx, B = self._load(reqs, blocks.to(self.ids.device), sampling)
+        step, out = self._graph("verify", B, sampling is None)
         step()
-        return out["logits"][idx], None, None
+        return VerifyResult(out["n"][idx], out["tokens"][idx]), None
 
-    def commit(self, reqs: list[Request], handle, keep: list[int], feats=None) -> None:
+    def commit(self, reqs: list[Request], handle, keep: list[int]) -> None:
         """Everything is already in place (K/V and latents written by the verify pass): count."""
         for r, n in zip(reqs, keep):
             r.num_committed += n

@@ -13,10 +13,13 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from ..model.context_cache import DraftContextCache, append_many, draft_block, greedy_walk
+from ..model.context_cache import DraftContextCache, append_many, draft_block
+from ..verification import VerifyResult
+from . import steps
 from ..target import TargetModel
 from .block_manager import BlockManager
 from .request import Request
+from .steps import BatchSampling
 
 
 class ModelRunner:
@@ -73,9 +76,15 @@ class ModelRunner:
 
     # ---- verify -------------------------------------------------------------------------------
     @torch.no_grad()
-    def verify(self, reqs: list[Request], blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object]:
-        """One target forward over ``blocks [B, k]``; returns logits ``[B, k, V]``, features
-        ``[B, k, K*H]`` and a handle for :meth:`commit`."""
+    def verify(self, reqs: list[Request], blocks: torch.Tensor, q_draft, sampling: BatchSampling | None,
+               block: bool) -> tuple[VerifyResult, object]:
+        """One target forward over ``blocks [B, k]`` (anchor, drafts), then the verifier; returns its
+        result and a handle for :meth:`commit`."""
+        logits, feats, kv = self._forward(reqs, blocks)
+        return steps.accept(logits, blocks[:, 1:], q_draft, sampling, block), (kv, feats)
+
+    def _forward(self, reqs: list[Request], blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """Logits ``[B, k, V]``, features ``[B, k, K*H]`` and the new rows' K/V."""
         t = self.target
         if not self.paged:
             outs = [t.forward(r.target_state, blocks[i]) for i, r in enumerate(reqs)]
@@ -107,9 +116,10 @@ class ModelRunner:
         new_kv = [(layer.keys[:, :, L:], layer.values[:, :, L:]) for layer in cache.layers]
         return out.logits.float(), feats, new_kv
 
-    def commit(self, reqs: list[Request], handle, keep: list[int], feats: torch.Tensor | None = None) -> None:
-        """Keep the first ``keep[b]`` verified rows of each request (and their target features,
-        ``feats [B, k, K*H]``, in the draft context)."""
+    def commit(self, reqs: list[Request], handle, keep: list[int]) -> None:
+        """Keep the first ``keep[b]`` verified rows of each request: their K/V, and their target
+        features in the draft context."""
+        new_kv, feats = handle
         starts = [r.num_committed for r in reqs]
         if self.paged and sum(keep):
             dev = self.k_pool[0].device
@@ -117,14 +127,14 @@ class ModelRunner:
             blk, off = torch.cat([b for b, _ in dst]).to(dev), torch.cat([o for _, o in dst]).to(dev)
             rows = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(keep)).to(dev)
             cols = torch.cat([torch.arange(n) for n in keep]).to(dev)
-            for l, (k, v) in enumerate(handle):  # k, v: [B, h, width, d]
+            for l, (k, v) in enumerate(new_kv):  # k, v: [B, h, width, d]
                 self.k_pool[l][blk, :, off] = k[rows, :, cols]
                 self.v_pool[l][blk, :, off] = v[rows, :, cols]
         for b, r in enumerate(reqs):
             if not self.paged:
                 self.target.commit(r.target_state, keep[b])
             r.num_committed += keep[b]
-        if self.draft is not None and feats is not None:
+        if self.draft is not None:
             append_many(self.draft, [r.draft_cache for r in reqs], [feats[b, :n] for b, n in enumerate(keep)], starts)
 
     # ---- draft --------------------------------------------------------------------------------
@@ -137,10 +147,10 @@ class ModelRunner:
                            self.target.embed, self.target.lm_head_weight), anchors
 
     @torch.no_grad()
-    def draft_greedy(self, reqs: list[Request], width: int) -> torch.Tensor:
-        """Draft tokens ``[B, width-1]`` of an all-greedy batch: the block, then the argmax walk."""
+    def propose(self, reqs: list[Request], width: int, sampling: BatchSampling | None):
+        """Draft tokens ``[B, width-1]`` and ``q_draft`` (None for a greedy batch)."""
         out, anchors = self.draft_logits(reqs, width)
-        return greedy_walk(self.draft, out.hidden, anchors, self.target.lm_head_weight)
+        return steps.propose(self.draft, out.hidden, anchors, self.target.lm_head_weight, sampling)
 
     def release(self, req: Request) -> None:
         req.draft_cache = None

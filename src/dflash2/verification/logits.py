@@ -48,8 +48,9 @@ FAST_TOP = 1024  # truncation first tries the top 1024 entries of each row inste
 def _drop(sorted_p, k, tp, mp) -> torch.Tensor:
     """What top-k / top-p / min-p drop from rows sorted descending (ties by id): a suffix of each row."""
     rank = torch.arange(sorted_p.shape[-1], device=sorted_p.device)
+    # top_p 1 drops nothing (the cumulative sum may round past 1 in the tail)
     return ((k > 0) & (rank >= k)) \
-        | ((sorted_p.cumsum(-1) - sorted_p) > tp) \
+        | (((sorted_p.cumsum(-1) - sorted_p) > tp) & (tp < 1)) \
         | (sorted_p < sorted_p[..., :1] * mp)  # top-k | smallest prefix reaching top_p | min-p
 
 
@@ -78,9 +79,10 @@ def probs_from_logits(logits: torch.Tensor, temperature=0.0, top_k=-1, top_p=1.0
                       capturable: bool = False) -> torch.Tensor:
     """Rows of ``logits [..., V]`` -> processed probabilities (float32). Parameters are scalars
     or tensors over the leading dims (e.g. one value per request). ``capturable``: no read of a
-    device value on the host, so a CUDA graph can hold it: ``top_k`` / ``top_p`` / ``min_p`` must
-    be Python scalars (they decide whether to truncate), truncation sorts whole rows (the exact
-    reference the top-``FAST_TOP`` shortcut falls back to), and the greedy blend always runs."""
+    device value on the host, so a CUDA graph can hold it: truncation sorts whole rows (the exact
+    reference the top-``FAST_TOP`` shortcut falls back to), and runs whenever a Python scalar asks for
+    it or any of ``top_k`` / ``top_p`` / ``min_p`` is a tensor (per-row values, read on the device);
+    the greedy blend always runs."""
     logits = logits.float()
     V = logits.shape[-1]
     temp = _col(temperature, logits[..., 0], torch.float32).unsqueeze(-1)
@@ -90,9 +92,8 @@ def probs_from_logits(logits: torch.Tensor, temperature=0.0, top_k=-1, top_p=1.0
     tp = _col(top_p, logits[..., 0], torch.float32).unsqueeze(-1)
     mp = _col(min_p, logits[..., 0], torch.float32).unsqueeze(-1)
     if capturable:
-        if any(isinstance(x, torch.Tensor) for x in (top_k, top_p, min_p)):
-            raise TypeError("capturable probs_from_logits takes top_k, top_p and min_p as Python scalars")
-        truncate = 0 < top_k < V or top_p < 1 or min_p > 0
+        truncate = any(isinstance(x, torch.Tensor) for x in (top_k, top_p, min_p)) \
+            or 0 < top_k < V or top_p < 1 or min_p > 0
     else:
         truncate = bool(((k > 0) & (k < V)).any() | (tp < 1).any() | (mp > 0).any())
     if truncate:
