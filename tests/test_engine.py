@@ -137,3 +137,20 @@ def test_engine_sampled_equals_single_request_loop(llama, runner, method):
         r = eng.add_request(Request(prompt.tolist(), sp))
         eng.run_until_done()
         assert r.output_ids == ref.token_ids and r.accept_hist == ref.accept_hist
+
+
+def test_static_runner_kv_buckets(llama, monkeypatch):
+    """Requests grow across a short attention prefix (24 positions) and the whole buffer: steps
+    switch from the prefix graphs to the full ones, output unchanged (greedy = the target's)."""
+    from dflash2.engine import graph_runner
+    monkeypatch.setattr(graph_runner, "KV_BUCKETS", (24, 40))
+    t, d = llama
+    prompts = _prompts(6, seed=8)
+    eng, reqs = _run(t, d, prompts, "static", max_new=(40, 9, 30))
+    assert eng.runner.kv_buckets == [24, 40, 134]
+    used = {k[3] for k in eng.runner.graphs}
+    assert used == {24, 40, 134}
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
+    _, paged = _run(t, d, prompts, "paged", max_new=(40, 9, 30))
+    assert [r.accept_hist for r in reqs] == [r.accept_hist for r in paged]

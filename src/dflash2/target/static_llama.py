@@ -67,21 +67,26 @@ class StaticTarget:
         self.neg = torch.finfo(target.dtype).min
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, start: torch.Tensor, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, ids: torch.Tensor, start: torch.Tensor, slot: int = 0,
+                kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_len``: attend over the first ``kv_len`` positions only (every query row of interest
+        must lie below it; rows are still written at their positions in the full buffer)."""
         if ids.dim() == 1:
-            logits, feats = self.forward(ids[None], start.view(1), slot)
+            logits, feats = self.forward(ids[None], start.view(1), slot, kv_len)
             return logits[0], feats[0]
         B, L = ids.shape
         pos = start[:, None] + self.kv_index[:L]                                # [B, L]
+        kv_index = self.kv_index[:kv_len]
         # additive mask: key j is visible to the query at position p iff j <= p (stale rows are > p)
-        mask = torch.where(self.kv_index <= pos[..., None], 0.0, self.neg).to(self.target.dtype)[:, None]
+        mask = torch.where(kv_index <= pos[..., None], 0.0, self.neg).to(self.target.dtype)[:, None]
         rows = torch.arange(B, device=ids.device)[:, None].expand(B, L)
         x = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(x, pos)
         feats = {}
         for i, layer in enumerate(self.inner.layers):
             kv = (self.k_cache[i, slot:slot + B], self.v_cache[i, slot:slot + B])
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, rows, pos, mask, kv)
+            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, rows, pos, mask, kv,
+                                    kv_index.shape[0])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in self.target.layer_ids:
                 feats[i] = x
@@ -89,7 +94,7 @@ class StaticTarget:
         feats = torch.cat([feats[i] for i in self.target.layer_ids], -1) if feats else x.new_empty(B, L, 0)
         return logits, feats
 
-    def _attention(self, attn, h, cos, sin, rows, pos, mask, kv):
+    def _attention(self, attn, h, cos, sin, rows, pos, mask, kv, kv_len):
         B, L = h.shape[:2]
         q = attn.q_proj(h).view(B, L, self.n_heads, self.head_dim)
         k = attn.k_proj(h).view(B, L, self.n_kv, self.head_dim)
@@ -100,6 +105,7 @@ class StaticTarget:
         k_cache, v_cache = kv                                                   # [B, kv, max_len, d] views
         k_cache[rows, :, pos] = k.transpose(1, 2)                               # row b's tokens at its positions
         v_cache[rows, :, pos] = v
+        k_cache, v_cache = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
         if self.attention == "sdpa":
             out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
                                                  scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
