@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..engine.engine import EngineConfig, LLMEngine
+from ..engine.engine import EngineConfig, EngineStats, LLMEngine
 from ..engine.request import Request
 from ..training.data import render
 from ..verification import SamplingParams
@@ -35,12 +35,21 @@ class ConcurrencyRow:
 
 def measure(target, draft, prompt_ids, width: int, block: bool, concurrency: int, max_new_tokens: int,
             temperature: float, name: str, requests_per_slot: int | None = None,
-            disable_cuda_graph: bool = False) -> ConcurrencyRow:
-    eng = LLMEngine(target, draft, EngineConfig(max_running_requests=concurrency, speculative=draft is not None,
-                                                num_draft_tokens=width if draft is not None else 2,
-                                                block_verification=block, context_length=4096,
-                                                max_total_tokens=max(65536, concurrency * 2048),
-                                                disable_cuda_graph=disable_cuda_graph))
+            disable_cuda_graph: bool = False, engines: dict | None = None) -> ConcurrencyRow:
+    """One config at one concurrency. ``engines``: engines kept across calls, one per config and
+    concurrency, so the warm-up pass and the timed rounds run on the same engine, as a warmed-up
+    server would (on CUDA an engine captures its graphs when it is built)."""
+    key = (width if draft is not None else 1, block, concurrency, disable_cuda_graph)
+    eng = (engines or {}).get(key)
+    if eng is None:
+        eng = LLMEngine(target, draft, EngineConfig(max_running_requests=concurrency, speculative=draft is not None,
+                                                    num_draft_tokens=width if draft is not None else 2,
+                                                    block_verification=block, context_length=4096,
+                                                    max_total_tokens=max(65536, concurrency * 2048),
+                                                    disable_cuda_graph=disable_cuda_graph))
+        if engines is not None:
+            engines[key] = eng
+    eng.stats = EngineStats(accepted_by_position=[0] * max(eng.width - 1, 0))
     n = len(prompt_ids) if requests_per_slot is None else min(len(prompt_ids), requests_per_slot * concurrency)
     n = max(concurrency, n)
     reqs = [Request(prompt_ids[i % len(prompt_ids)], SamplingParams(
@@ -90,17 +99,18 @@ def run(target, draft, prompts: list[str], widths, verifiers, concurrencies, max
     rows, slot = [], 0
     for c in concurrencies:
         done: dict[str, list[ConcurrencyRow]] = {name: [] for name, *_ in configs}
+        engines: dict = {}  # this level's engines, dropped before the next level builds its own
         # An untimed pass of every config at this level first: on the H200 the first run of each
         # (concurrency, width) shape set was 2-3x slower than the next ones (15 vs 36 tok/s for the
         # target at c=1; the token rows, which ran before the block rows of the same width, took
         # the hit and the block rows after them did not), which skewed every speedup.
         for name, d, w, block in configs if warmup else []:
             measure(target, d, ids, w, block, c, max_new_tokens, temperature, "warm-up", requests_per_slot,
-                    disable_cuda_graph=disable_cuda_graph)
+                    disable_cuda_graph=disable_cuda_graph, engines=engines)
         for k in range(rounds):
             for name, d, w, block in configs[k % len(configs):] + configs[:k % len(configs)]:
                 row = measure(target, d, ids, w, block, c, max_new_tokens, temperature, name, requests_per_slot,
-                              disable_cuda_graph=disable_cuda_graph)
+                              disable_cuda_graph=disable_cuda_graph, engines=engines)
                 row.round_slots, slot = [slot], slot + 1
                 done[name].append(row)
         level = [pool_rounds(done[name]) for name, *_ in configs]
