@@ -8,8 +8,11 @@ buffer, both over every position up to ``max_len``. Running requests fill slots 
 of the graphs captured for the smallest bucket ``>= n``; the rows past ``n`` are idle slots.
 Verify writes the target K/V and the draft latents of every block row at its position; rows
 past what is accepted stay hidden (target: key <= query position; draft: key < anchor) and
-are overwritten later, so commit only counts. The selector walk, sampling and acceptance stay
-eager: their parameters differ per request. Same three methods as :class:`ModelRunner`.
+are overwritten later, so commit only counts. A step is two replays (draft block + selector
+walk; target verify + latents + verifier) whose math is :mod:`.steps`, shared with
+:class:`ModelRunner`; sampled batches read per-request parameters and uniforms from slot
+buffers. Graphs are keyed by batch bucket, attention prefix (``KV_BUCKETS``), greedy or
+sampled, draft or verify. Same methods as :class:`ModelRunner`.
 """
 from __future__ import annotations
 
@@ -18,11 +21,11 @@ import warnings
 import torch
 
 from ..model.attention import build_block_mask
-from ..verification import VerifyResult
 from ..target import TargetModel
 from ..target.static_llama import StaticTarget
-from .request import Request
+from ..verification import VerifyResult
 from . import steps
+from .request import Request
 from .static_decode import Replay
 from .steps import BatchSampling
 
