@@ -15,6 +15,8 @@
   python scripts/gpu.py engine --concurrency 1,8,32 --graph-tokens 128 --rounds 1 --eager-limit 8
                                     # carry work/gsm8k_test.jsonl: the serving engine's CUDA-graph runner
                                     #   (graph_runner.py): fp32 + bf16 checks, engine speed per concurrency
+  python scripts/gpu.py attn        # no carry, no stash: the engine's graphs at batch 1 and 8 with SDPA or
+                                    #   matmul attention over 1,029 / 4,101 positions (random SmolLM2-shaped target)
   python scripts/gpu.py graphs --graph-limit 20 --check-prompts 6 --eager-limit 3 [--breakdown]
                                     # carry work/gsm8k_test.jsonl: batch-1 CUDA graphs (static_decode.py):
                                     #   fp32 + bf16 token checks, graphed side-by-side speed, eager reference
