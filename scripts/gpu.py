@@ -86,6 +86,17 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def replay_ms(step, n: int = 100) -> float:
+    """Median wall time of ``n`` synchronised calls of ``step`` (a graph replay), in ms."""
+    import torch
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    ts = []
+    for _ in range(n):
+        sync(); t0 = time.perf_counter(); step(); sync()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[n // 2] * 1e3
+
+
 def env_report() -> dict:
     import torch
     import transformers
@@ -395,11 +406,7 @@ def stage_graphs(args) -> None:
                 dec.generate(x, sp)  # prefill + capture; buffers now hold a real context
                 steps = dec.greedy_step if name == "greedy" else next(iter(dec.sampled_steps.values()))
                 for j, step in enumerate(steps):
-                    ts = []
-                    for _ in range(200):
-                        torch.cuda.synchronize(); t0 = time.perf_counter(); step(); torch.cuda.synchronize()
-                        ts.append(time.perf_counter() - t0)
-                    times[f"w{w} {name} {'verify' if j == len(steps) - 1 else 'draft'}"] = sorted(ts)[100] * 1e3
+                    times[f"w{w} {name} {'verify' if j == len(steps) - 1 else 'draft'}"] = replay_ms(step, 200)
         print("graph replay ms (median of 200):", json.dumps({k: round(v, 3) for k, v in times.items()}), flush=True)
         report["breakdown_ms"] = times
     temps = [float(t) for t in args.graph_temperatures.split(",")]
@@ -474,7 +481,6 @@ def stage_engine(args) -> None:
         from dflash2.engine.graph_runner import GraphModelRunner
         x = render(target.tokenizer, prompts[0])
         times = {}
-        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         for max_len in (1029, 4101):
             for w in (5, 8):
                 runner = GraphModelRunner(target, draft, w, 1, max_len)
@@ -485,11 +491,7 @@ def stage_engine(args) -> None:
                 for kind in ("draft", "verify"):
                     for kv_len in runner.kv_buckets:  # attending over a prefix, and over the whole buffer
                         step, _ = runner._graph(kind, 1, True, kv_len)
-                        ts = []
-                        for _ in range(100):
-                            sync(); t0 = time.perf_counter(); step(); sync()
-                            ts.append(time.perf_counter() - t0)
-                        times[f"max_len {max_len} kv {kv_len} w{w} {kind}"] = round(sorted(ts)[50] * 1e3, 3)
+                        times[f"max_len {max_len} kv {kv_len} w{w} {kind}"] = round(replay_ms(step), 3)
                 del runner
         log(f"graph replay ms: {json.dumps(times)}")
         report["breakdown_ms"] = times
@@ -531,7 +533,6 @@ def stage_attn(args) -> None:
                          rope_theta=100000.0, tie_word_embeddings=True)
     torch.manual_seed(0)
     target = TargetModel(tf.LlamaForCausalLM(cfg).to(dev, torch.bfloat16), layer_ids=draft.config.target_layer_ids)
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     prompt = torch.randint(100, 40000, (300,)).tolist()
     times, logits = {}, {}
     for attention in ("sdpa", "matmul"):
@@ -542,16 +543,13 @@ def stage_attn(args) -> None:
                 for r in reqs:
                     runner.prefill(r)
                     r.output_ids.append(r.prompt_ids[-1])
-                drafts, _ = runner.propose(reqs, 5, None)
-                blocks = torch.cat([torch.tensor([r.all_ids[-1] for r in reqs], device=dev)[:, None], drafts], 1)
+                runner.propose(reqs, 5, None)  # fills the slots' anchors and positions
+                # fixed blocks (drafts could differ between the two forms by a rounding flip)
+                blocks = torch.tensor(prompt[:5 * B], device=dev).view(B, 5)
                 logits[attention, max_len, B] = runner.static.forward(blocks, runner.start[:B])[0].float().cpu()
                 for kind in ("draft", "verify"):  # over the whole buffer (the length bucket off)
                     step, _ = runner._graph(kind, B, True, max_len)
-                    ts = []
-                    for _ in range(100):
-                        sync(); t0 = time.perf_counter(); step(); sync()
-                        ts.append(time.perf_counter() - t0)
-                    times[f"{attention} max_len {max_len} B{B} {kind}"] = round(sorted(ts)[50] * 1e3, 3)
+                    times[f"{attention} max_len {max_len} B{B} {kind}"] = round(replay_ms(step), 3)
                 del runner
     diff = {f"{m} B{b}": float((logits["sdpa", m, b] - logits["matmul", m, b]).abs().max()) for m in (1029, 4101) for b in (1, 8)}
     log(f"graph replay ms: {json.dumps(times)}")

@@ -195,7 +195,7 @@ class LLMEngine:
             drafts, q_draft = self.runner.propose(reqs, self.width, sampling)
         else:
             drafts = torch.empty(B, 0, dtype=torch.long, device=device)
-            q_draft = torch.empty(B, 0, self.target.lm_head_weight.shape[0], device=device)
+            q_draft = None if sampling is None else torch.empty(B, 0, self.target.lm_head_weight.shape[0], device=device)
         blocks = torch.cat([anchors[:, None], drafts], dim=1)
         t1 = time.perf_counter()
         res, handle = self.runner.verify(reqs, blocks, q_draft, sampling, self.cfg.block_verification)

@@ -38,10 +38,7 @@ KV_BUCKETS = (1024,)
 
 def static_bytes(target: TargetModel, draft, slots: int, max_len: int) -> int:
     """Memory the slot buffers take: target K and V plus the draft's latents, per position."""
-    cfg = target.config
-    kv = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_pos = 2 * cfg.num_hidden_layers * kv * head_dim * target.dtype.itemsize
+    per_pos = target.kv_bytes_per_token
     if draft is not None:
         d = draft.config
         per_pos += d.num_hidden_layers * (d.kv_lora_rank + d.qk_rope_head_dim) * next(draft.parameters()).element_size()
@@ -65,6 +62,7 @@ class GraphModelRunner:
         self.start = torch.zeros(num_slots, **lng)         # per slot: the anchor's position
         self.ar = torch.arange(width, **lng)
         self.occupant: list[Request] = []                  # occupant[s] holds slot s
+        self._step: tuple | None = None                    # (slots, batch bucket, prefix) of the step being proposed
         # per slot, for sampled batches: parameters, uniforms, and q_draft from the draft graph
         # (idle slots keep a previous occupant's values: valid inputs whose results nobody reads)
         f32 = dict(dtype=torch.float32, device=dev)
@@ -151,8 +149,7 @@ class GraphModelRunner:
         if self.draft is not None:  # every row's latent at its position (rows past the accepted ones stay masked)
             pos = self.start[:B, None] + self.ar
             rows = torch.arange(B, device=pos.device)[:, None].expand_as(pos)
-            d = self.draft
-            self.lat[:, rows, pos] = d.context_latents(d.fuse(feats), pos).to(self.lat.dtype)
+            self.lat[:, rows, pos] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
         res = steps.accept(logits, self.ids[:B, 1:], self.q_draft[:B], self._rows(B, greedy), self.block,
                            capturable=True)
         out["n"], out["tokens"] = res.num_accepted, res.tokens
@@ -182,9 +179,7 @@ class GraphModelRunner:
         dev = self.target.device
         logits, feats = self.static.forward(torch.tensor(ids, device=dev), torch.zeros((), dtype=torch.long, device=dev), slot=s)
         if self.draft is not None:
-            pos = torch.arange(len(ids), device=dev)
-            d = self.draft
-            self.lat[:, s, :len(ids)] = d.context_latents(d.fuse(feats[None]), pos[None])[:, 0].to(self.lat.dtype)
+            self.lat[:, s, :len(ids)] = self.draft.context_rows(feats, torch.arange(len(ids), device=dev)).to(self.lat.dtype)
         self.occupant.append(req)
         req.slot, req.num_committed = s, len(ids)
         return logits[-1]
@@ -204,7 +199,7 @@ class GraphModelRunner:
         """Draft tokens ``[B, width-1]`` in one replay (block, candidates, walk); ``q_draft`` stays in
         its slot buffer for the verify graph (None is returned in its place)."""
         anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=self.ids.device)
-        idx, B, kv_len = self._load(reqs, anchors[:, None], sampling)
+        idx, B, kv_len = self._step = self._load(reqs, anchors[:, None], sampling)
         step, out = self._graph("draft", B, sampling is None, kv_len)
         step()
         return out["tokens"][idx], None
@@ -215,7 +210,11 @@ class GraphModelRunner:
         """Target forward, draft latents and the verifier in one replay."""
         if block != self.block:
             raise ValueError("this runner's graphs were captured for the other verifier")
-        idx, B, kv_len = self._load(reqs, blocks.to(self.ids.device), sampling)
+        if self.w > 1:  # the engine proposed first: anchors, positions and sampling rows are in place
+            idx, B, kv_len = self._step
+            self.ids[idx, 1:] = blocks[:, 1:].to(self.ids.device)
+        else:
+            idx, B, kv_len = self._load(reqs, blocks.to(self.ids.device), sampling)
         step, out = self._graph("verify", B, sampling is None, kv_len)
         step()
         return VerifyResult(out["n"][idx], out["tokens"][idx]), None

@@ -181,7 +181,7 @@ class StaticDecoder:
         the block ``[anchor, MASK...]`` and its candidates."""
         d, w = self.draft, self.w
         rows = self.commit + self.ar
-        self.lat[:, 0].index_copy_(1, rows, self._latents(self.feats, rows))
+        self.lat[:, 0].index_copy_(1, rows, d.context_rows(self.feats, rows).to(self.lat.dtype))
         q_pos = (self.apos + self.ar)[None]
         mask = build_block_mask(q_pos, self.apos.expand(1, w), torch.zeros_like(q_pos), self.ctx_pos,
                                 self.ctx_valid, d.config.sliding_window, d.config.is_causal)
@@ -189,11 +189,6 @@ class StaticDecoder:
         hidden = d(self.target.embed(block[None]), q_pos, self.lat, mask, w)[:, 1:]
         U, cand = d.candidates(hidden, self.target.lm_head_weight)
         self.hidden.copy_(hidden); self.U.copy_(U); self.cand.copy_(cand)
-
-    def _latents(self, feats: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Draft context rows ``[layers, T, D]`` for target features at ``positions``."""
-        d = self.draft
-        return d.context_latents(d.fuse(feats[None]), positions[None])[:, 0].to(self.lat.dtype)
 
     # ---- the loop -----------------------------------------------------------------------------
     def fits(self, prompt_len: int, max_new_tokens: int) -> bool:
@@ -224,7 +219,7 @@ class StaticDecoder:
         logits, feats = self.static.forward(prompt, torch.zeros((), dtype=torch.long, device=prompt.device))
         out = [first_token(logits[-1], sampling, gen)]
         if self.draft is not None:
-            self.lat[:, 0, :L].copy_(self._latents(feats, torch.arange(L, device=prompt.device)))
+            self.lat[:, 0, :L].copy_(self.draft.context_rows(feats, torch.arange(L, device=prompt.device)))
         self.apos.fill_(L); self.commit.fill_(L); self.ids[0].fill_(out[0])
         res.prefill_s = time.perf_counter() - t0
         while out[-1] not in stops and len(out) < sampling.max_new_tokens:

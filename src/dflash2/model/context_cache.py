@@ -39,8 +39,7 @@ class DraftContextCache:
         if target_features.shape[0] == 0:
             return
         pos = torch.arange(start, start + target_features.shape[0], device=target_features.device)
-        lat = draft.context_latents(draft.fuse(target_features).unsqueeze(0), pos.unsqueeze(0))[:, 0]
-        self.extend(lat, start)
+        self.extend(draft.context_rows(target_features, pos), start)
 
     def extend(self, latents: torch.Tensor, start: int) -> None:
         """Add rows already projected (``[num_layers, T, D]``, positions from ``start``), e.g. by
@@ -72,7 +71,7 @@ def append_many(draft: DFlash2DraftModel, caches: list[DraftContextCache], featu
         return
     device = features[0].device
     positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, sizes)])
-    lat = draft.context_latents(draft.fuse(torch.cat(features)).unsqueeze(0), positions.unsqueeze(0))[:, 0]
+    lat = draft.context_rows(torch.cat(features), positions)
     for cache, rows, start, n in zip(caches, lat.split(sizes, dim=1), starts, sizes):
         if n:
             cache.extend(rows, start)

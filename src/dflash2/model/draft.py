@@ -81,6 +81,13 @@ class DFlash2DraftModel(nn.Module):
         """Per-layer latent cache rows for context tokens: ``[num_layers, B, T, kv_lora + rope]``."""
         return torch.stack([layer.self_attn.latent(h_ctx, positions) for layer in self.layers])
 
+    def context_rows(self, target_features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Latent cache rows of context tokens straight from their target features: ``[T, K*H]`` at
+        ``positions [T]`` -> ``[num_layers, T, D]`` (with a batch dim: ``[num_layers, B, T, D]``)."""
+        if target_features.dim() == 2:
+            return self.context_rows(target_features[None], positions[None])[:, 0]
+        return self.context_latents(self.fuse(target_features), positions)
+
     # ---- block ------------------------------------------------------------------------------
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, ctx_latents: torch.Tensor,
                 mask: torch.Tensor, width: int) -> torch.Tensor:

@@ -52,11 +52,7 @@ def kv_budget_tokens(args, target) -> int:
         return 65536
     import torch
     free, _ = torch.cuda.mem_get_info()
-    cfg = target.config
-    kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * target.dtype.itemsize
-    return int(free * args.mem_fraction_static / per_token)
+    return int(free * args.mem_fraction_static / target.kv_bytes_per_token)
 
 
 def cmd_serve(args) -> int:

@@ -76,6 +76,14 @@ class TargetModel:
         # per-position states where the kernels are known; snapshot + replay otherwise
         self.per_position_states = self.is_hybrid and recurrent.install(model)
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over every layer, at the model's dtype (a full-attention estimate)."""
+        cfg = self.config
+        kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return 2 * cfg.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
+
     def use_fast_cpu_kernels(self) -> int:
         """On the CPU in float32: grouped-query attention without copying K/V, and Linears through
         weights packed once for oneDNN.
