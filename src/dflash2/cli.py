@@ -93,6 +93,8 @@ def load_models(args):
         if map_path is None and (path / TOKEN_MAP_NAME).is_file():
             map_path = path / TOKEN_MAP_NAME
         if map_path is not None and str(map_path).lower() != "none":
+            if args.verify_manifest and Path(map_path).resolve().parent != path.resolve():
+                raise CheckpointError(f"{map_path}: refused, --verify-manifest covers only the files in {path}")
             draft.set_token_map(load_token_map(map_path, draft.config.vocab_size), target.lm_head_weight)
     torch.set_grad_enabled(False)
     return target, draft, width
@@ -305,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     from .model.token_map import TokenMapError
     try:
         return args.fn(args)
-    except (ConfigError, CheckpointError, TokenMapError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, TokenMapError, FileNotFoundError, ValueError) as e:
         print(f"dflash2: error: {e}", file=sys.stderr)
         return 2
 

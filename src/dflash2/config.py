@@ -22,6 +22,7 @@ DFLASH_KEYS = (
     "block_size", "target_layer_ids", "mask_token_id", "conv_kernel_size", "conv_group_size",
     "selector_rank", "selector_top_k", "output_multiplier", "final_logit_softcapping",
 )
+MAX_BLOCK_SIZE = 64  # the published drafter uses 5; the verify block and its buffers grow with it
 REQUIRED = (
     "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size", "vocab_size",
@@ -158,8 +159,25 @@ class DFlash2Config:
             raise bad("target_layer_ids", ids, f"must be below num_target_layers ({self.num_target_layers})")
         if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
             raise bad("mask_token_id", self.mask_token_id, f"must be a token id in [0, {self.vocab_size})")
-        if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
-            raise bad("final_logit_softcapping", self.final_logit_softcapping, "must be > 0 or null")
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise bad("block_size", self.block_size, f"must be <= {MAX_BLOCK_SIZE} (one verify block per step)")
+        if self.sliding_window > self.max_position_embeddings:
+            raise bad("sliding_window", self.sliding_window,
+                      f"must be <= max_position_embeddings ({self.max_position_embeddings})")
+
+        def finite(key: str, low: float, high: float = math.inf, optional: bool = False) -> None:
+            v = getattr(self, key)
+            if optional and v is None:
+                return
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and low < v < high
+            if not ok:
+                span = f"in ({low:g}, {high:g})" if math.isfinite(high) else f"> {low:g}"
+                raise bad(key, v, f"must be a finite number {span}" + (" or null" if optional else ""))
+
+        finite("output_multiplier", 0.0)
+        finite("final_logit_softcapping", 0.0, optional=True)
+        finite("rms_norm_eps", 0.0, 1.0)
+        finite("rope_theta", 1.0)
         if not isinstance(self.is_causal, bool):
             raise bad("is_causal", self.is_causal, "must be true or false")
         rs = self.rope_scaling
@@ -169,6 +187,9 @@ class DFlash2Config:
             kind = rs.get("type", rs.get("rope_type"))
             if kind not in ("yarn", "default", None):
                 raise bad("rope_scaling.type", kind, "only 'yarn' (or none) is supported")
+            for key, v in rs.items():
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise bad(f"rope_scaling.{key}", v, "must be finite")
             if kind == "yarn" and not (isinstance(rs.get("factor"), (int, float)) and rs["factor"] >= 1):
                 raise bad("rope_scaling.factor", rs.get("factor"), "must be a number >= 1")
 

@@ -6,9 +6,11 @@ what it accepted; nothing crosses rows). The same engine runs the target alone (
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -17,11 +19,21 @@ from ..verification import probs_from_logits, sample_from_probs
 from .block_manager import BlockManager
 from .graph_runner import GraphModelRunner, static_bytes
 from .model_runner import ModelRunner
-from .request import Request, Status
+from .request import Request, Status, prefill_ids
 from .scheduler import Scheduler
 from .speculative import eos_ids, make_generator
 from .steps import BatchSampling
 from .static_decode import cuda_graphs_apply
+
+log = logging.getLogger("dflash2.engine")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (bad token ids, does not fit); ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 @dataclass
@@ -35,6 +47,8 @@ class EngineConfig:
     page_size: int = 16
     runner: str = "auto"                 # auto: static buffers + CUDA graphs where they apply, else paged
     disable_cuda_graph: bool = False     # SGLang's flag: the paged runner on CUDA too (static: eager)
+    chunked_prefill_size: int = 512      # SGLang's flag: prompt tokens per step (-1: a whole prompt at once)
+    stall_s: float = 120.0               # /health fails when the loop has work but has not come round for this long
 
     def __post_init__(self):
         if self.max_running_requests < 1:
@@ -47,11 +61,15 @@ class EngineConfig:
             raise ValueError(f"runner must be auto, paged or static, got {self.runner!r}")
         if self.max_total_tokens < self.page_size:
             raise ValueError(f"KV budget {self.max_total_tokens} tokens is smaller than one page")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError(f"--chunked-prefill-size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
 
 
 @dataclass
 class EngineStats:
-    completed: int = 0
+    completed: int = 0                   # finished normally (stop or length)
+    aborted: int = 0                     # cancelled (client gone, shutdown)
+    failed: int = 0                      # ended by an error
     generated_tokens: int = 0
     verify_steps: int = 0                # per request per step, summed
     accepted_by_position: list[int] = field(default_factory=list)
@@ -73,6 +91,9 @@ class LLMEngine:
         self.runner = self._make_runner()
         self.stats = EngineStats(accepted_by_position=[0] * max(self.width - 1, 0))
         self.eos = eos_ids(target)
+        self.vocab_size = min(target.embed.num_embeddings, target.lm_head_weight.shape[0])
+        self.prefilling: deque[Request] = deque()   # admitted, prompt not all in the runner yet (FIFO)
+        self.heartbeat = time.monotonic()          # the loop's last pass (for /health)
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self._aborts: set[str] = set()
@@ -100,10 +121,22 @@ class LLMEngine:
 
     # ---- API (any thread) -------------------------------------------------------------------
     def add_request(self, req: Request) -> Request:
-        if len(req.prompt_ids) + 1 > self.cfg.context_length:
-            raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the context length is {self.cfg.context_length}")
-        if self.bm.blocks_for(len(req.prompt_ids) + self.width + 1) > self.bm.num_blocks:
-            raise ValueError(f"prompt of {len(req.prompt_ids)} tokens does not fit the KV pool")
+        """Queue a request, or raise :class:`RequestError` for one that can never run."""
+        n, V, ctx = len(req.prompt_ids), self.vocab_size, self.cfg.context_length
+        if n == 0:
+            raise RequestError("the prompt is empty", "prompt")
+        for name, ids in (("prompt", req.prompt_ids), ("stop_token_ids", req.sampling.stop_token_ids)):
+            bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V), None)
+            if bad is not None:
+                raise RequestError(f"{name}: token id {bad!r} is outside the vocabulary [0, {V})", name)
+        if n + 1 > ctx:
+            raise RequestError(f"prompt has {n} tokens; the context length is {ctx}", "prompt",
+                               "context_length_exceeded")
+        need = min(n + req.sampling.max_new_tokens, ctx) + self.width + 1
+        if self.bm.blocks_for(need) > self.bm.num_blocks:
+            raise RequestError(f"prompt ({n} tokens) + max_tokens ({req.sampling.max_new_tokens}) need {need} KV "
+                               f"positions; the KV pool holds {self.bm.num_blocks * self.bm.block_size}",
+                               "max_tokens", "context_length_exceeded")
         req.generator = make_generator(req.sampling.seed)
         req.accept_hist = [0] * self.width
         with self.lock:
@@ -128,11 +161,35 @@ class LLMEngine:
 
     def _loop(self) -> None:
         while not self._stop:
+            self.heartbeat = time.monotonic()
             if not self.has_work():
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # the loop must not die: fail what was in flight, keep serving
+                log.exception("engine step failed")
+                self.fail_running(f"engine step failed: {type(e).__name__}: {e}")
+
+    def fail_running(self, why: str) -> None:
+        with self.lock:
+            for req in list(self.scheduler.running) + list(self.prefilling):
+                try:
+                    self._finish(req, "error", why)
+                except Exception:  # a runner in a bad state: the request is failed all the same
+                    log.exception("releasing a failed request")
+                    self.scheduler.finish(req)
+            self.prefilling.clear()
+
+    def health(self) -> str | None:
+        """None when the engine is stepping, else why not."""
+        if self._thread is None or not self._thread.is_alive():
+            return "the engine thread is not running"
+        stalled = time.monotonic() - self.heartbeat
+        if self.has_work() and stalled > self.cfg.stall_s:
+            return f"the engine has not completed a step for {stalled:.0f} s"
+        return None
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._aborts)
@@ -150,15 +207,16 @@ class LLMEngine:
                     if req.request_id == rid:
                         self._finish(req, "abort")
             self._aborts.clear()
-            admitted = self.scheduler.admit()
-        for req in admitted:
-            self._prefill(req)
+            self.prefilling.extend(self.scheduler.admit())
+        self._prefill_some()
         with self.lock:
             preempted = self.scheduler.reserve_step()
         for req in preempted:
             self.runner.release(req)
+            if req in self.prefilling:
+                self.prefilling.remove(req)
             self.stats.preemptions += 1
-        reqs = [r for r in self.scheduler.running if not r.finished]
+        reqs = [r for r in self.scheduler.running if not r.finished and r not in self.prefilling]
         if not reqs:
             if self.scheduler.waiting and not self.scheduler.running:
                 req = self.scheduler.waiting[0]  # nothing running and still no room: it can never fit
@@ -168,22 +226,36 @@ class LLMEngine:
         try:
             self._spec_step(reqs)
         except Exception as e:  # a failing batch must not take the server down
-            for r in reqs:
-                self._finish(r, "error", f"{type(e).__name__}: {e}")
-
-    def _prefill(self, req: Request) -> None:
-        try:
-            logits = self.runner.prefill(req)
-        except Exception as e:
+            log.exception("speculative step failed")
             with self.lock:
-                self._finish(req, "error", f"prefill failed: {type(e).__name__}: {e}")
-            return
-        if not req.output_ids:  # a new request: its first token comes from the prefill
-            sp = req.sampling
-            p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
-            tok = int(sample_from_probs(p, torch.rand((), generator=req.generator).to(p.device)))
-            req.first_token_at = time.perf_counter()
-            self._append(req, [tok])
+                for r in reqs:
+                    self._finish(r, "error", f"{type(e).__name__}: {e}")
+
+    def _prefill_some(self) -> None:
+        """Up to ``chunked_prefill_size`` prompt tokens, oldest admitted first; a request whose prompt
+        is all in gets its first token."""
+        budget = self.cfg.chunked_prefill_size if self.cfg.chunked_prefill_size > 0 else None
+        while self.prefilling and (budget is None or budget > 0):
+            req = self.prefilling[0]
+            n = len(prefill_ids(req)) - req.prefill_pos
+            if budget is not None:
+                n = min(n, budget)
+                budget -= n
+            try:
+                logits = self.runner.prefill(req, n)
+                if logits is None:
+                    continue
+                self.prefilling.popleft()
+                if not req.output_ids:  # a new request: its first token comes from the prefill
+                    sp = req.sampling
+                    p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+                    tok = int(sample_from_probs(p, torch.rand((), generator=req.generator).to(p.device)))
+                    req.first_token_at = time.perf_counter()
+                    self._append(req, [tok])
+            except Exception as e:
+                log.exception("prefill failed")
+                with self.lock:
+                    self._finish(req, "error", f"prefill failed: {type(e).__name__}: {e}")
 
     def _spec_step(self, reqs: list[Request]) -> None:
         t0 = time.perf_counter()
@@ -236,8 +308,7 @@ class LLMEngine:
         if reason:
             with self.lock:
                 self._finish(req, reason, notify=False)
-        if req.on_update:
-            req.on_update(req, new)
+        self._notify(req, new)
 
     def _hits_stop_string(self, req: Request) -> bool:
         tail = self.target.tokenizer.decode(req.output_ids[-32:], skip_special_tokens=True)
@@ -247,11 +318,30 @@ class LLMEngine:
         if req.finished:
             return
         self.scheduler.finish(req)
-        self.runner.release(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         req.finish_reason, req.error, req.finished_at = reason, error, time.perf_counter()
-        self.stats.completed += 1
-        if notify and req.on_update:
-            req.on_update(req, [])
+        s = self.stats
+        if reason == "abort":
+            s.aborted += 1
+        elif reason == "error":
+            s.failed += 1
+        else:
+            s.completed += 1
+        try:
+            self.runner.release(req)
+        finally:
+            if notify:
+                self._notify(req, [])
+
+    @staticmethod
+    def _notify(req: Request, new: list[int]) -> None:
+        """Tell the request's owner; a failing callback (its event loop gone) does not reach the engine."""
+        if req.on_update:
+            try:
+                req.on_update(req, new)
+            except Exception:
+                log.exception("request update callback failed")
 
     # ---- introspection ------------------------------------------------------------------------
     def pool_usage(self) -> tuple[int, int]:

@@ -25,7 +25,7 @@ from ..target import TargetModel
 from ..target.static_llama import StaticTarget
 from ..verification import VerifyResult
 from . import steps
-from .request import Request
+from .request import Request, prefill_ids
 from .static_decode import Replay
 from .steps import BatchSampling
 
@@ -113,6 +113,7 @@ class GraphModelRunner:
 
     def release(self, req: Request) -> None:
         req.draft_cache = req.target_state = None
+        req.prefill_pos = 0
         if req.slot is None:
             return
         s, last = req.slot, len(self.occupant) - 1
@@ -172,17 +173,25 @@ class GraphModelRunner:
 
     # ---- the runner's methods -----------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, req: Request) -> torch.Tensor:
-        """The prompt (or ``all_ids[:-1]`` of a resumed request) into a new slot, eagerly."""
-        ids = req.prompt_ids if not req.output_ids else req.all_ids[:-1]
-        s = len(self.occupant)
-        dev = self.target.device
-        logits, feats = self.static.forward(torch.tensor(ids, device=dev), torch.zeros((), dtype=torch.long, device=dev), slot=s)
+    def prefill(self, req: Request, max_tokens: int | None = None) -> torch.Tensor | None:
+        """The next ``max_tokens`` (default: all) of ``prefill_ids(req)`` into the request's slot,
+        eagerly; the last row's logits once the whole prompt is in, else None. The slot is taken at
+        the first chunk: a decode step meanwhile runs it as an idle row, whose writes land at
+        ``start`` = the prompt's end, rows its own first verify overwrites."""
+        ids, p, dev = prefill_ids(req), req.prefill_pos, self.target.device
+        if p == 0:
+            req.slot = len(self.occupant)
+            self.occupant.append(req)
+        s = req.slot
+        self.start[s] = len(ids)
+        chunk = ids[p: p + (max_tokens or len(ids))]
+        logits, feats = self.static.forward(torch.tensor(chunk, device=dev),
+                                            torch.full((), p, dtype=torch.long, device=dev), slot=s)
         if self.draft is not None:
-            self.lat[:, s, :len(ids)] = self.draft.context_rows(feats, torch.arange(len(ids), device=dev)).to(self.lat.dtype)
-        self.occupant.append(req)
-        req.slot, req.num_committed = s, len(ids)
-        return logits[-1]
+            pos = torch.arange(p, p + len(chunk), device=dev)
+            self.lat[:, s, p:p + len(chunk)] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
+        req.prefill_pos = req.num_committed = p + len(chunk)
+        return logits[-1] if req.prefill_pos == len(ids) else None
 
     def _load(self, reqs: list[Request], blocks: torch.Tensor, sampling: BatchSampling | None):
         """Each request's block (or anchor), position and sampling rows into its slot."""

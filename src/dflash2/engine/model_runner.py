@@ -18,7 +18,7 @@ from ..verification import VerifyResult
 from . import steps
 from ..target import TargetModel
 from .block_manager import BlockManager
-from .request import Request
+from .request import Request, prefill_ids
 from .steps import BatchSampling
 
 
@@ -55,23 +55,29 @@ class ModelRunner:
 
     # ---- prefill ------------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, req: Request) -> torch.Tensor:
-        """KV for ``all_ids[:-1]`` (or the whole prompt for a new request) into the pool, draft
-        context built; returns the last row's logits (used only for a new request)."""
-        ids = req.prompt_ids if not req.output_ids else req.all_ids[:-1]
-        t = self.target
-        state = t.new_state()
-        logits, feats = t.forward(state, torch.tensor(ids), logits_to_keep=1)
-        t.commit(state, len(ids))
+    def prefill(self, req: Request, max_tokens: int | None = None) -> torch.Tensor | None:
+        """The next ``max_tokens`` (default: all) of ``prefill_ids(req)`` into the request's cache and
+        draft context; when the last chunk is in, its KV goes to the pool and the last row's logits are
+        returned (used only for a new request), else None. Chunks let the engine step the running
+        requests between the chunks of a long prompt."""
+        ids, t, p = prefill_ids(req), self.target, req.prefill_pos
+        if p == 0:
+            req.target_state = t.new_state()
+            req.draft_cache = DraftContextCache(self.draft) if self.draft is not None else None
+        chunk = ids[p: p + (max_tokens or len(ids))]
+        state = req.target_state
+        logits, feats = t.forward(state, torch.tensor(chunk), logits_to_keep=1)
+        t.commit(state, len(chunk))
+        if self.draft is not None:
+            req.draft_cache.append(self.draft, feats, p)
+        req.prefill_pos = p + len(chunk)
+        if req.prefill_pos < len(ids):
+            return None
         if self.paged:
             self._ensure_pool(state.cache)
             self._write(req, [(layer.keys[0], layer.values[0]) for layer in state.cache.layers], 0)
-        else:
-            req.target_state = state
+            req.target_state = None
         req.num_committed = len(ids)
-        if self.draft is not None:
-            req.draft_cache = DraftContextCache(self.draft)
-            req.draft_cache.append(self.draft, feats, 0)
         return logits[-1]
 
     # ---- verify -------------------------------------------------------------------------------
@@ -155,3 +161,4 @@ class ModelRunner:
     def release(self, req: Request) -> None:
         req.draft_cache = None
         req.target_state = None
+        req.prefill_pos = 0

@@ -43,6 +43,7 @@ class Request:
     draft_cache: Any = None
     target_state: Any = None                # per-request target state (hybrid targets)
     slot: int | None = None                 # its slot in the static-buffer runner, while it holds one
+    prefill_pos: int = 0                    # tokens of prefill_ids(self) in the runner so far (chunked prefill)
 
     @property
     def all_ids(self) -> list[int]:
@@ -55,3 +56,9 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+def prefill_ids(req: Request) -> list[int]:
+    """What a prefill runs: the prompt of a new request, ``all_ids[:-1]`` of a preempted one (its
+    last token is the pending anchor of the next step)."""
+    return req.prompt_ids if not req.output_ids else req.all_ids[:-1]

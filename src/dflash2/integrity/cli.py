@@ -22,11 +22,26 @@ def add_integrity_parsers(sub) -> None:
     p.set_defaults(fn=cmd_keygen)
 
 
+def _refusing(fn):
+    """Every refusal is one line and exit 1, never a traceback."""
+    def run(args) -> int:
+        from .manifest import ManifestError, SourceError
+        from .minisign import SignatureError
+        try:
+            return fn(args)
+        except (ManifestError, SignatureError, SourceError, OSError, ValueError, UnicodeError) as e:
+            print(f"REJECTED: {e}")
+            return 1
+    return run
+
+
+@_refusing
 def cmd_verify(args) -> int:
     from .manifest import verify_folder
     return 0 if verify_folder(args.dir, args.manifest, args.signature, args.public_key) else 1
 
 
+@_refusing
 def cmd_fetch(args) -> int:
     from .manifest import fetch, read_manifest
     from .minisign import SignatureError
@@ -36,7 +51,11 @@ def cmd_fetch(args) -> int:
         except (SignatureError, ValueError) as e:
             print(f"REJECTED manifest {args.manifest}: {e}")
             return 1
-    return 0 if fetch(args.manifest, args.dir, args.source) else 1
+    else:
+        read_manifest(args.manifest)
+    ok = fetch(args.manifest, args.dir, args.source)
+    print("verdict: all files fetched" if ok else "verdict: FAILED (see the FAIL lines)")
+    return 0 if ok else 1
 
 
 def cmd_manifest(args) -> int:

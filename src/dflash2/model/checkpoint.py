@@ -28,8 +28,15 @@ def _shard_files(folder: Path) -> dict[str, list[str]]:
             weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{folder / INDEX}: unreadable index ({e})") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{folder / INDEX}: weight_map must be an object")
         files: dict[str, list[str]] = {}
         for name, fname in weight_map.items():
+            # a shard is a plain file name inside the folder: nothing is read from elsewhere
+            if not isinstance(fname, str) or not fname.endswith(".safetensors") or fname != Path(fname).name \
+                    or fname in (".", "..") or "\\" in fname:
+                raise CheckpointError(f"{folder / INDEX}: shard {fname!r} of tensor {name!r} is not a plain "
+                                      f".safetensors file name inside the folder")
             files.setdefault(fname, []).append(name)
         return files
     if (folder / SINGLE).is_file():
@@ -59,11 +66,21 @@ def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_finite(state: dict[str, torch.Tensor], where: str | Path) -> None:
+    """Refuse NaN / inf weights: a drafter with one would turn every sampled answer into garbage."""
+    for name, t in state.items():
+        if t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise CheckpointError(f"{where}: tensor {name} holds {bad} non-finite value(s) (NaN or inf)")
+
+
 def load_draft(folder: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None) -> DFlash2DraftModel:
     folder = Path(folder)
     cfg = DFlash2Config.from_file(folder)
     state = read_state_dict(folder)
+    check_finite(state, folder)
     with torch.device("meta"):
         model = DFlash2DraftModel(cfg)
     expected = model.state_dict()

@@ -1,21 +1,33 @@
-"""OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn, server-sent events)."""
+"""OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn, server-sent events).
+
+No request can stop it: bodies are capped in size, tokenization and chat templating run on a
+worker thread (not the event loop), every refusal is a 4xx with an OpenAI-shaped body, a client
+that goes away aborts its request, and a request that fails mid-stream ends with an error event.
+"""
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.engine import LLMEngine
+from ..engine.engine import LLMEngine, RequestError
 from ..engine.request import Request
 from ..verification import SamplingParams
 from .metrics import render_metrics
 from .parsers import ReasoningParser, ToolCallParser
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+
+log = logging.getLogger("dflash2.server")
+MAX_BODY_BYTES = 8 << 20      # 8 MiB: a 128k-token prompt as text or as ids fits several times over
+DISCONNECT_POLL_S = 0.5       # how often a waiting request checks that its client is still there
 
 
 class APIError(Exception):
@@ -28,6 +40,42 @@ def error_body(message: str, type_: str, param=None, code=None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is a 413 before it is parsed (by
+    Content-Length, or counted as it arrives when chunked)."""
+
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise StarletteHTTPException(413, self._message())
+            return msg
+
+        await self.app(scope, limited, send)
+
+    def _message(self) -> str:
+        return f"request body is larger than {self.max_bytes} bytes"
+
+    async def _refuse(self, send):
+        body = json.dumps(error_body(self._message(), "invalid_request_error", None, "request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
 def trim_stop(text: str, req: Request) -> str:
     for s in req.stop_strings:
         i = text.find(s)
@@ -36,23 +84,48 @@ def trim_stop(text: str, req: Request) -> str:
     return text
 
 
+def stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that begins some stop string (held back in a stream:
+    it may yet become the stop string, which the answer never contains)."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
 class Detokenizer:
-    """Incremental text of a request's output; holds back an incomplete UTF-8 character."""
+    """Incremental text of a request's output; holds back an incomplete UTF-8 character and what
+    may be the start of a stop string."""
 
     def __init__(self, tokenizer, skip_special: bool = True):
         self.tok, self.skip, self.sent = tokenizer, skip_special, ""
 
     def delta(self, req: Request, final: bool = False) -> str:
         text = trim_stop(self.tok.decode(req.output_ids, skip_special_tokens=self.skip), req)
-        if not final and text.endswith("\ufffd"):
+        if not final:
+            if text.endswith("\ufffd"):
+                return ""
+            text = text[:len(text) - stop_prefix_len(text, req.stop_strings)]
+        if len(text) <= len(self.sent):
             return ""
         out, self.sent = text[len(self.sent):], text
         return out
 
 
 def create_app(engine: LLMEngine, tokenizer, model_name: str, context_length: int,
-               reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="dflash2")
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    # one worker: the tokenizer off the event loop, never used by two requests at once
+    tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash2-tokenize")
+    skip_special = tool_call_parser != "kimi_k2"
+
+    async def off_loop(fn, *args, **kw):
+        return await asyncio.get_running_loop().run_in_executor(tok_pool, lambda: fn(*args, **kw))
 
     @app.exception_handler(APIError)
     async def _api_error(_req, e: APIError):
@@ -63,39 +136,63 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str, context_length: in
         errs = e.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        return JSONResponse(error_body(f"{first.get('msg', 'invalid request')}" + (f" ({loc})" if loc else ""),
-                                       "invalid_request_error", loc), status_code=400)
+        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        return JSONResponse(error_body(msg + (f" ({loc})" if loc else ""), "invalid_request_error", loc),
+                            status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(e.detail), kind, None, code), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_req, e: Exception):
+        log.exception("request failed")
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
 
     # ---- helpers -------------------------------------------------------------------------
     def check_model(name: str | None) -> None:
         if name is not None and name not in (model_name, "default"):
             raise APIError(404, f"The model '{name}' does not exist", "invalid_request_error", "model", "model_not_found")
 
-    def make_request(prompt_ids: list[int], max_tokens: int | None, body) -> Request:
+    def make_request(prompt_ids: list[int], max_tokens: int | None, body, param: str = "prompt") -> Request:
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param=param)
         if len(prompt_ids) >= context_length:
             raise APIError(400, f"This model's maximum context length is {context_length} tokens; the prompt has "
-                                f"{len(prompt_ids)} tokens", param="messages", code="context_length_exceeded")
+                                f"{len(prompt_ids)} tokens", param=param, code="context_length_exceeded")
         budget = context_length - len(prompt_ids)
         max_new = max_tokens if max_tokens is not None else budget
         if max_new > budget:
             raise APIError(400, f"max_tokens={max_new} plus the prompt's {len(prompt_ids)} tokens exceeds the "
                                 f"context length {context_length}", param="max_tokens", code="context_length_exceeded")
-        stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
         try:
             sp = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                                max_new_tokens=max_new, seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()),
-                                ignore_eos=body.ignore_eos)
+                                max_new_tokens=max_new, seed=body.effective_seed,
+                                stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        return Request(list(prompt_ids), sp, stop_strings=tuple(stop))
+        return Request(list(prompt_ids), sp, stop_strings=body.stop_strings())
+
+    async def encode(text: str, param: str) -> list[int]:
+        try:
+            return list((await off_loop(tokenizer, text))["input_ids"])
+        except Exception as e:
+            raise APIError(400, f"{param} could not be tokenized: {type(e).__name__}: {e}", param=param) from None
 
     async def submit(req: Request) -> asyncio.Queue:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        req.on_update = lambda r, new: loop.call_soon_threadsafe(queue.put_nowait, (list(new), r.finished))
+
+        def on_update(r: Request, new: list[int]) -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(queue.put_nowait, r.finished)
+
+        req.on_update = on_update
         try:
             engine.add_request(req)
-        except ValueError as e:
-            raise APIError(400, str(e), code="context_length_exceeded") from None
+        except RequestError as e:
+            raise APIError(400, str(e), param=e.param, code=e.code) from None
         return queue
 
     def usage(req: Request) -> dict:
@@ -104,22 +201,30 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str, context_length: in
                 "spec_accept_length": round(req.accept_length, 4)}
 
     async def updates(req: Request, http: HTTPRequest):
-        """Yield ``finished`` after every engine update; abort the request if the client goes away."""
+        """Yield ``finished`` after engine updates; abort the request if the client goes away (checked
+        every DISCONNECT_POLL_S, also while tokens keep coming)."""
         queue = await submit(req)
+        last_check = time.monotonic()
         try:
             while True:
                 try:
-                    _, done = await asyncio.wait_for(queue.get(), timeout=1.0)
+                    done = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
+                    while not done and not queue.empty():  # coalesce what piled up
+                        done = queue.get_nowait()
                 except asyncio.TimeoutError:
+                    done = None
+                if time.monotonic() - last_check >= DISCONNECT_POLL_S or done is None:
+                    last_check = time.monotonic()
                     if await http.is_disconnected():
                         return
+                if done is None:
                     continue
                 yield done
                 if done:
                     return
         finally:
             if not req.finished:
-                engine.abort(req.request_id)  # frees its KV blocks at the next step
+                engine.abort(req.request_id)  # frees its KV at the next step
 
     async def run_to_end(req: Request, http: HTTPRequest) -> Request:
         async for _ in updates(req, http):
@@ -130,18 +235,31 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str, context_length: in
             raise APIError(500, f"generation failed: {req.error}", "server_error")
         return req
 
-    async def stream_tokens(req: Request, http: HTTPRequest):
+    async def stream_tokens(req: Request, http: HTTPRequest, skip: bool = True):
         """Yield (text delta, finished) until the request ends."""
-        detok = Detokenizer(tokenizer, skip_special=tool_call_parser != "kimi_k2")
+        detok = Detokenizer(tokenizer, skip_special=skip)
         async for done in updates(req, http):
             yield detok.delta(req, final=done), done
 
     def finish_reason(req: Request, tool_calls: bool = False) -> str:
-        return "tool_calls" if tool_calls else ("length" if req.finish_reason == "length" else "stop")
+        if tool_calls:
+            return "tool_calls"
+        return {"length": "length", "abort": "abort", "error": "error"}.get(req.finish_reason or "", "stop")
+
+    def error_event(req: Request) -> str:
+        """The last event of a stream that failed (as vLLM sends it), instead of a finish chunk."""
+        body = error_body(f"generation failed: {req.error}", "server_error", None, 500)
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def final_text(req: Request, skip: bool = True) -> str:
+        return trim_stop(await off_loop(tokenizer.decode, req.output_ids, skip_special_tokens=skip), req)
 
     # ---- endpoints -----------------------------------------------------------------------
     @app.get("/health")
     async def health():
+        problem = engine.health()
+        if problem:
+            return JSONResponse({"status": "error", "message": problem}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -156,22 +274,25 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str, context_length: in
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: HTTPRequest):
         check_model(body.model)
+        use_tools = body.tool_choice != "none"
         try:
-            ids = tokenizer.apply_chat_template(body.messages, tools=body.tools, add_generation_prompt=True, tokenize=True)
+            ids = await off_loop(tokenizer.apply_chat_template, body.messages, tools=body.tools if use_tools else None,
+                                 add_generation_prompt=True, tokenize=True)
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         except Exception as e:
             raise APIError(400, f"messages could not be rendered with the chat template: {e}", param="messages") from None
-        req = make_request(ids, body.max_completion_tokens or body.max_tokens, body)
+        parser = tool_call_parser if use_tools else None
+        req = make_request(ids, body.max_completion_tokens or body.max_tokens, body, "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if not body.stream:
             await run_to_end(req, http)
-            text = trim_stop(tokenizer.decode(req.output_ids, skip_special_tokens=tool_call_parser != "kimi_k2"), req)
+            text = await final_text(req, skip_special)
             msg: dict = {"role": "assistant"}
             if reasoning_parser:
                 msg["reasoning_content"], text = ReasoningParser.split(text)
             calls = []
-            if tool_call_parser:
-                text, calls = ToolCallParser.parse(tool_call_parser, text)
+            if parser:
+                text, calls = ToolCallParser.parse(parser, text)
                 if calls:
                     msg["tool_calls"] = calls
             msg["content"] = text
@@ -181,8 +302,8 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str, context_length: in
 
         async def events():
             rp = ReasoningParser() if reasoning_parser else None
-            tp = ToolCallParser(tool_call_parser) if tool_call_parser else None
-            any_calls = False
+            tp = ToolCallParser(parser) if parser else None
+            n_calls = 0
 
             def chunk(delta: dict, finish=None, use=None):
                 d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
@@ -191,24 +312,34 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str, context_length: in
                     d["usage"] = use
                 return f"data: {json.dumps(d)}\n\n"
 
+            def call_chunks(calls):
+                nonlocal n_calls
+                for call in calls:
+                    yield chunk({"tool_calls": [{"index": n_calls, **call}]})
+                    n_calls += 1
+
             yield chunk({"role": "assistant", "content": ""})
-            async for delta, done in stream_tokens(req, http):
+            async for delta, done in stream_tokens(req, http, skip_special):
+                if done and req.finish_reason == "error":
+                    yield error_event(req)
+                    break
                 parts = [(None, delta)]
                 if rp:
                     r, c = rp.feed(delta)
                     if done:
-                        r2, c2 = rp.flush(); r, c = r + r2, c + c2
+                        r2, c2 = rp.flush()
+                        r, c = r + r2, c + c2
                     parts = [("reasoning_content", r), (None, c)]
                 for key, text in parts:
                     if not text:
                         continue
                     if key:
-                        yield chunk({key: text}); continue
+                        yield chunk({key: text})
+                        continue
                     if tp:
                         text, calls = tp.feed(text)
-                        for i, call in enumerate(calls):
-                            any_calls = True
-                            yield chunk({"tool_calls": [{"index": i, **call}]})
+                        for c in call_chunks(calls):
+                            yield c
                     if text:
                         yield chunk({"content": text})
                 if done:
@@ -216,10 +347,9 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str, context_length: in
                         rest, calls = tp.flush()
                         if rest:
                             yield chunk({"content": rest})
-                        for i, call in enumerate(calls):
-                            any_calls = True
-                            yield chunk({"tool_calls": [{"index": i, **call}]})
-                    yield chunk({}, finish_reason(req, any_calls), usage(req))
+                        for c in call_chunks(calls):
+                            yield c
+                    yield chunk({}, finish_reason(req, n_calls > 0), usage(req))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -227,18 +357,21 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str, context_length: in
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
         check_model(body.model)
-        ids = list(body.prompt) if isinstance(body.prompt, list) else tokenizer(body.prompt)["input_ids"]
+        ids = list(body.prompt) if isinstance(body.prompt, list) else await encode(body.prompt, "prompt")
         req = make_request(ids, body.max_tokens, body)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if not body.stream:
             await run_to_end(req, http)
-            text = trim_stop(tokenizer.decode(req.output_ids, skip_special_tokens=True), req)
+            text = await final_text(req)
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                     "choices": [{"index": 0, "text": text, "finish_reason": finish_reason(req), "logprobs": None}],
                     "usage": usage(req)}
 
         async def events():
             async for delta, done in stream_tokens(req, http):
+                if done and req.finish_reason == "error":
+                    yield error_event(req)
+                    break
                 if delta or done:
                     d = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                          "choices": [{"index": 0, "text": delta, "finish_reason": finish_reason(req) if done else None}]}
@@ -251,12 +384,12 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str, context_length: in
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, http: HTTPRequest):
-        if body.input_ids is None and body.text is None:
-            raise APIError(400, "give text or input_ids", param="text")
-        ids = body.input_ids if body.input_ids is not None else tokenizer(body.text)["input_ids"]
+        if (body.input_ids is None) == (body.text is None):
+            raise APIError(400, "give exactly one of text or input_ids", param="text")
+        ids = body.input_ids if body.input_ids is not None else await encode(body.text, "text")
         sp = body.sampling_params
-        req = make_request(ids, sp.max_new_tokens, sp)
-        rid = uuid.uuid4().hex
+        req = make_request(ids, sp.max_new_tokens, sp, "input_ids" if body.input_ids is not None else "text")
+        rid = body.rid or uuid.uuid4().hex
         t0 = time.perf_counter()
 
         def meta() -> dict:
@@ -268,12 +401,14 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str, context_length: in
 
         if not body.stream:
             await run_to_end(req, http)
-            return {"text": trim_stop(tokenizer.decode(req.output_ids, skip_special_tokens=True), req),
-                    "output_ids": req.output_ids, "meta_info": meta()}
+            return {"text": await final_text(req), "output_ids": req.output_ids, "meta_info": meta()}
 
         async def events():
             text = ""
             async for delta, done in stream_tokens(req, http):
+                if done and req.finish_reason == "error":
+                    yield error_event(req)
+                    break
                 text += delta
                 yield f"data: {json.dumps({'text': text, 'output_ids': req.output_ids, 'meta_info': meta()})}\n\n"
             yield "data: [DONE]\n\n"

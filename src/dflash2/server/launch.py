@@ -16,6 +16,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (CPU default 65536)")
     p.add_argument("--mem-fraction-static", type=float, default=0.8)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--chunked-prefill-size", type=int, default=512,
+                   help="prompt tokens prefilled per engine step, so a long prompt does not stall running "
+                        "requests (-1: whole prompts)")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--speculative-draft-kv-cache-dtype", default="auto")
     p.add_argument("--tp-size", type=int, default=1)
@@ -43,6 +46,8 @@ def check_flags(args) -> None:
         raise SystemExit(f"--mem-fraction-static must be in (0, 1], got {args.mem_fraction_static}")
     if args.max_running_requests < 1:
         raise SystemExit(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
+    if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
+        raise SystemExit(f"--chunked-prefill-size must be -1 (off) or >= 1, got {args.chunked_prefill_size}")
 
 
 def kv_budget_tokens(args, target) -> int:
@@ -69,7 +74,8 @@ def cmd_serve(args) -> int:
                        num_draft_tokens=width if draft is not None else 2,
                        block_verification=args.speculative_use_block_verification, context_length=ctx,
                        max_total_tokens=kv_budget_tokens(args, target), page_size=args.page_size,
-                       disable_cuda_graph=args.disable_cuda_graph, runner=args.model_runner)
+                       disable_cuda_graph=args.disable_cuda_graph, runner=args.model_runner,
+                       chunked_prefill_size=args.chunked_prefill_size)
     engine = LLMEngine(target, draft, cfg)
     engine.start()
     name = args.served_model_name or (args.model_path or "SmolLM2-135M-Instruct")

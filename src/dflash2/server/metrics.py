@@ -16,7 +16,12 @@ class _EngineCollector:
         yield GaugeMetricFamily("dflash2_num_running_reqs", "Requests running", value=len(e.scheduler.running))
         yield GaugeMetricFamily("dflash2_num_waiting_reqs", "Requests waiting", value=len(e.scheduler.waiting))
         yield CounterMetricFamily("dflash2_generation_tokens", "Tokens generated", value=s.generated_tokens)
-        yield CounterMetricFamily("dflash2_requests_completed", "Requests completed", value=s.completed)
+        yield CounterMetricFamily("dflash2_requests_completed", "Requests finished normally (stop or length)",
+                                  value=s.completed)
+        yield CounterMetricFamily("dflash2_requests_aborted", "Requests aborted (client gone)", value=s.aborted)
+        yield CounterMetricFamily("dflash2_requests_failed", "Requests ended by an error", value=s.failed)
+        yield GaugeMetricFamily("dflash2_engine_healthy", "1 while the engine loop is stepping",
+                                value=0.0 if e.health() else 1.0)
         yield CounterMetricFamily("dflash2_spec_verify_steps", "Verification steps (one per request per step)",
                                   value=s.verify_steps)
         yield CounterMetricFamily("dflash2_preemptions", "Requests preempted", value=s.preemptions)

@@ -65,6 +65,9 @@ def _call(name: str, arguments) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
 
 
+_NAME = re.compile(r"[\w\-\.]+")  # fullmatch on a name: linear
+
+
 class ToolCallParser:
     """Incremental: ``feed`` returns (content delta, completed tool calls)."""
 
@@ -90,26 +93,37 @@ class ToolCallParser:
         return content, calls
 
     def _take_complete(self) -> list[dict]:
+        """Complete calls off the front of the buffer. Plain ``find`` scans, no backtracking regex:
+        linear in the buffer (a run of whitespace after an opening tag made the old regex cubic)."""
         calls = []
         if self.kind == "hermes":
             while True:
-                m = re.search(r"<tool_call>\s*(.*?)\s*</tool_call>", self.buf, re.S)
-                if not m:
+                i = self.buf.find("<tool_call>")
+                j = self.buf.find("</tool_call>", i + 11) if i >= 0 else -1
+                if j < 0:
                     break
-                self.buf = self.buf[m.end():]
+                body, self.buf = self.buf[i + 11:j].strip(), self.buf[j + 12:]
                 try:
-                    obj = json.loads(m.group(1))
+                    obj = json.loads(body)
                     calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
-                except (json.JSONDecodeError, KeyError, TypeError):
+                except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
                     continue
         else:
-            pat = r"<\|tool_call_begin\|>\s*(?:functions\.)?([\w\-\.]+?)(?::\d+)?\s*<\|tool_call_argument_begin\|>\s*(.*?)\s*<\|tool_call_end\|>"
+            begin, arg, end = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
             while True:
-                m = re.search(pat, self.buf, re.S)
-                if not m:
+                i = self.buf.find(begin)
+                j = self.buf.find(arg, i) if i >= 0 else -1
+                k = self.buf.find(end, j) if j >= 0 else -1
+                if k < 0:
                     break
-                self.buf = self.buf[m.end():]
-                calls.append(_call(m.group(1), m.group(2)))
+                name, args = self.buf[i + len(begin):j].strip(), self.buf[j + len(arg):k].strip()
+                self.buf = self.buf[k + len(end):]
+                name = name.removeprefix("functions.")
+                head, _, index = name.rpartition(":")
+                if head and index.isdigit():
+                    name = head
+                if _NAME.fullmatch(name):
+                    calls.append(_call(name, args))
             self.buf = self.buf.replace("<|tool_calls_section_begin|>", "").replace("<|tool_calls_section_end|>", "")
         return calls
 

@@ -1,53 +1,162 @@
-"""Request bodies (OpenAI and SGLang shapes), validated by pydantic."""
+"""Request bodies (OpenAI and SGLang shapes), validated by pydantic.
+
+Nothing is silently ignored: an unknown field is refused by name (``extra="forbid"``), and a
+field we know but do not implement is accepted only at its no-op value (``UNSUPPORTED``), so a
+client asking for logprobs, penalties or structured output gets a 400 that says so instead of an
+answer that quietly lacks them. Numbers must be finite; strings must be valid Unicode (a lone
+surrogate cannot be tokenized). Bounds that depend on the model (token ids, context length) are
+checked where the model is known (``LLMEngine.add_request``, ``make_request``)."""
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..verification.logits import MAX_TEMPERATURE, MAX_TOP_K, SEED_RANGE
+
+MAX_STOP_STRINGS = 64
+MAX_TOKENS = 2**31 - 1  # an int64 larger than any context; keeps arithmetic on it in range
+
+
+def _check_text(value: Any, where: str) -> None:
+    """Refuse strings that are not valid UTF-8 (lone surrogates from a JSON ``\\ud800`` escape)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where}: text holds an unpaired surrogate, not valid Unicode") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, where)
+            _check_text(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_text(v, f"{where}[{i}]")
+
+
+# field -> the values it may take while we do not implement it (its default, or an explicit no-op)
+UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+    "response_format": (None, {"type": "text"}), "min_tokens": (None, 0), "best_of": (None, 1),
+    "echo": (None, False), "suffix": (None, ""), "min_new_tokens": (None, 0), "json_schema": (None,),
+    "regex": (None,), "ebnf": (None,), "skip_special_tokens": (None, True), "no_stop_trim": (None, False),
+    "return_logprob": (None, False), "logprob_start_len": (None, -1), "top_logprobs_num": (None, 0),
+    "return_text_in_logprobs": (None, False), "continue_final_message": (None, False),
+}
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, allowed in UNSUPPORTED.items():
+                if key in data and key in cls.model_fields and data[key] not in allowed:
+                    raise ValueError(f"parameter {key!r} = {data[key]!r} is not supported by this server")
+            _check_text(data, "body")
+        return data
 
 
-class SamplingFields(_Base):
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
+class _Sampling(_Base):
+    """What every endpoint's sampling takes (OpenAI names; SGLang's top_k / min_p / stop_token_ids)."""
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1)
+    # known, not implemented: refused unless at their no-op value (UNSUPPORTED)
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+
+    @model_validator(mode="after")
+    def _stops(self):
+        stops = self.stop_strings()
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop: a stop string must not be empty")
+        return self
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return tuple(self.stop) if isinstance(self.stop, list) else ((self.stop,) if self.stop else ())
+
+    @property
+    def effective_seed(self) -> int | None:
+        return self.seed
+
+
+class SamplingFields(_Sampling):
+    user: str | None = None  # accepted; a no-op here
+    logprobs: bool | int | None = None
+    min_tokens: int | None = None
+    best_of: int | None = None
+
+
+class StreamOptions(_Base):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     model: str | None = None
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    continue_final_message: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice(self):
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ValueError(f"parameter 'tool_choice' = {self.tool_choice!r} is not supported by this server "
+                             f"(only 'auto' and 'none')")
+        return self
 
 
 class CompletionRequest(SamplingFields):
     model: str | None = None
     prompt: str | list[int]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool | None = None
+    suffix: str | None = None
 
 
-class GenerateSampling(_Base):
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    max_new_tokens: int = Field(128, ge=1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    seed: int | None = None
+class GenerateSampling(_Sampling):
+    max_new_tokens: int = Field(128, ge=1, le=MAX_TOKENS)
+    sampling_seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # SGLang's name for seed
+    min_new_tokens: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    @property
+    def max_tokens(self) -> int:
+        return self.max_new_tokens
+
+    @property
+    def effective_seed(self) -> int | None:
+        return self.sampling_seed if self.sampling_seed is not None else self.seed
 
 
 class GenerateRequest(_Base):
@@ -55,3 +164,8 @@ class GenerateRequest(_Base):
     input_ids: list[int] | None = None
     sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
     stream: bool = False
+    rid: str | None = None
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool | None = None

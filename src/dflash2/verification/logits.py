@@ -2,13 +2,20 @@
 
 ``probs = softmax(logits / T)``; then top-k, top-p and min-p masks are all computed on those
 same probabilities (so top-k and top-p commute, as in SGLang), and the survivors renormalised.
-Temperature 0 means greedy: a one-hot row at the argmax (first index on ties).
+Temperature 0 (or anything below ``GREEDY_BELOW``) means greedy: a one-hot row at the argmax
+(first index on ties).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+GREEDY_BELOW = 1e-5          # as vLLM: smaller temperatures are greedy (1/T would overflow the logits)
+MAX_TEMPERATURE = 100.0      # T=100 is already uniform to float32 precision; larger values overflow
+MAX_TOP_K = 2**31 - 1        # beyond int32 nothing changes (no vocabulary is that large)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass(frozen=True)
@@ -23,11 +30,28 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        for name, ok in (("temperature", self.temperature >= 0), ("top_p", 0 < self.top_p <= 1),
-                         ("min_p", 0 <= self.min_p <= 1), ("max_new_tokens", self.max_new_tokens >= 1),
-                         ("top_k", self.top_k == -1 or self.top_k >= 0)):
+        def num(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        def whole(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        checks = (
+            ("temperature", num(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+             f"a finite number in [0, {MAX_TEMPERATURE:g}]"),
+            ("top_p", num(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("min_p", num(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
+            ("top_k", whole(self.top_k) and -1 <= self.top_k <= MAX_TOP_K, f"-1 or 0 (off), or in [1, {MAX_TOP_K}]"),
+            ("max_new_tokens", whole(self.max_new_tokens) and self.max_new_tokens >= 1, "an integer >= 1"),
+            ("seed", self.seed is None or (whole(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+             f"null or an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]"),
+            ("stop_token_ids", all(whole(t) and t >= 0 for t in self.stop_token_ids), "non-negative token ids"),
+        )
+        for name, ok, want in checks:
             if not ok:
-                raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}")
+                raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: must be {want}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:
@@ -86,7 +110,7 @@ def probs_from_logits(logits: torch.Tensor, temperature=0.0, top_k=-1, top_p=1.0
     logits = logits.float()
     V = logits.shape[-1]
     temp = _col(temperature, logits[..., 0], torch.float32).unsqueeze(-1)
-    greedy = temp == 0
+    greedy = temp < GREEDY_BELOW
     probs = torch.softmax(logits / torch.where(greedy, torch.ones_like(temp), temp), dim=-1)
     k = _col(top_k, logits[..., 0], torch.long).unsqueeze(-1)
     tp = _col(top_p, logits[..., 0], torch.float32).unsqueeze(-1)

@@ -4,6 +4,10 @@ Shapes: ``draft_tokens [B, g]``; ``q_draft [B, g, V]`` (row i: the draft distrib
 token i was drawn from); ``p_target [B, g+1, V]`` (row i: the processed target distribution
 for the token after ``i`` drafts, so row g is the bonus row). Each verifier returns how many
 drafts each row accepts and the tokens it emits: the accepted drafts, then one target token.
+
+A ``q_draft`` row that is not a distribution (a NaN or inf from a broken drafter) is never
+trusted: the sampled verifiers treat it as a rejection and emit from ``p_target`` itself, so a
+bad drafter can only cost speed, never change the output's distribution.
 """
 from __future__ import annotations
 
@@ -37,6 +41,11 @@ def _first_false(ok: torch.Tensor) -> torch.Tensor:
     return ok.to(torch.long).cumprod(dim=1).sum(dim=1)
 
 
+def _bad_q(q_draft: torch.Tensor) -> torch.Tensor:
+    """``[B, g]``: draft rows that are not a distribution (any non-finite or negative entry)."""
+    return ~(torch.isfinite(q_draft) & (q_draft >= 0)).all(dim=-1)
+
+
 def greedy_verify(draft_tokens: torch.Tensor, p_target: torch.Tensor) -> VerifyResult:
     """Accept the longest prefix with ``x_i == argmax p_{i-1}``; bonus = argmax of the next row.
     ``p_target`` may be raw logits: only its argmax is read."""
@@ -54,15 +63,20 @@ def _residual_sample(p_rows: torch.Tensor, residual: torch.Tensor, uniforms: tor
 def token_level_verify(draft_tokens: torch.Tensor, q_draft: torch.Tensor, p_target: torch.Tensor,
                        accept_uniforms: torch.Tensor, emit_uniforms: torch.Tensor) -> VerifyResult:
     """Leviathan/Chen rejection sampling: accept ``x_i`` while ``u_i * q_i(x_i) < p_i(x_i)``;
-    at the first rejection emit from ``norm(max(p_i - q_i, 0))``; after a full block, from ``p_{g+1}``."""
+    at the first rejection emit from ``norm(max(p_i - q_i, 0))``; after a full block, from ``p_{g+1}``.
+    A bad ``q_draft`` row (see :func:`_bad_q`) stops acceptance there and emits from ``p_i``: exact,
+    since position ``i`` then ignores the draft entirely."""
     B, g = draft_tokens.shape
     x = draft_tokens.unsqueeze(-1)
     px = p_target[:, :g].gather(-1, x).squeeze(-1).float()
     qx = q_draft.gather(-1, x).squeeze(-1).float()
-    n = _first_false(accept_uniforms * qx < px)
+    good = ~_bad_q(q_draft)
+    n = _first_false((accept_uniforms * qx < px) & good)
     rows = torch.arange(B, device=draft_tokens.device)
     p_n = p_target[rows, n].float()
     q_n = torch.cat([q_draft, q_draft.new_zeros(B, 1, p_target.shape[-1])], dim=1)[rows, n].float()  # zero after a full block
+    stopped_by_bad = torch.cat([~good, good.new_zeros(B, 1)], dim=1)[rows, n]
+    q_n = torch.where(stopped_by_bad[:, None], torch.zeros_like(q_n), q_n)
     bonus = _residual_sample(p_n, (p_n - q_n).clamp_min(0), emit_uniforms)
     return _assemble(draft_tokens, n, bonus)
 
@@ -70,10 +84,14 @@ def token_level_verify(draft_tokens: torch.Tensor, q_draft: torch.Tensor, p_targ
 def block_verify(draft_tokens: torch.Tensor, q_draft: torch.Tensor, p_target: torch.Tensor,
                  accept_uniforms: torch.Tensor, emit_uniforms: torch.Tensor) -> VerifyResult:
     """Block verification (Sun et al., ICLR 2025), spec section 4. No early stop: ``tau`` is the
-    largest ``i`` with ``u_i <= h_i``."""
+    largest ``i`` with ``u_i <= h_i``. A row with any bad ``q_draft`` entry (see :func:`_bad_q`)
+    accepts nothing and emits from ``p_0`` (exact when, as with broken weights, the badness does not
+    depend on which tokens were drawn)."""
     B, g = draft_tokens.shape
     x = draft_tokens.unsqueeze(-1)
-    p_t, q_d = p_target.float(), q_draft.float()
+    bad_row = _bad_q(q_draft).any(dim=1)
+    p_t = p_target.float()
+    q_d = torch.where(bad_row[:, None, None], torch.zeros((), device=p_t.device), q_draft.float())
     px = p_t[:, :g].gather(-1, x).squeeze(-1)
     qx = q_d.gather(-1, x).squeeze(-1)
     ratio = torch.where(qx > 0, px / qx.clamp_min(1e-30), torch.zeros_like(px))
@@ -88,11 +106,11 @@ def block_verify(draft_tokens: torch.Tensor, q_draft: torch.Tensor, p_target: to
     h = torch.cat([h[:, 1:], P[:, g:]], dim=1)                       # h_1..h_{g-1}, h_g = P_g
     passed = accept_uniforms <= h                                    # [B, g] for i = 1..g
     idx = torch.arange(1, g + 1, device=p_t.device)
-    tau = (passed * idx).amax(dim=1)                                 # largest passing i, 0 if none
+    tau = torch.where(bad_row, 0, (passed * idx).amax(dim=1))        # largest passing i, 0 if none
     rows = torch.arange(B, device=p_t.device)
     p_next = p_t[rows, tau]
     q_next = torch.cat([q_d, q_d.new_zeros(B, 1, p_t.shape[-1])], dim=1)[rows, tau]
     residual = (P[rows, tau][:, None] * p_next - q_next).clamp_min(0)
-    residual = torch.where((tau == g)[:, None], p_next, residual)
+    residual = torch.where(((tau == g) | bad_row)[:, None], p_next, residual)
     bonus = _residual_sample(p_next, residual, emit_uniforms)
     return _assemble(draft_tokens, tau, bonus)
