@@ -15,6 +15,8 @@
   python scripts/gpu.py engine --concurrency 1,8,32 --graph-tokens 128 --rounds 1 --eager-limit 8
                                     # carry work/gsm8k_test.jsonl: the serving engine's CUDA-graph runner
                                     #   (graph_runner.py): fp32 + bf16 checks, engine speed per concurrency
+  python scripts/gpu.py hardening   # no carry, no stash: the graph runner with chunked prefill (greedy fp32
+                                    #   against HF) and with a NaN-weight drafter (sampled distribution)
   python scripts/gpu.py attn        # no carry, no stash: the engine's graphs at batch 1 and 8 with SDPA or
                                     #   matmul attention over 1,029 / 4,101 positions (random SmolLM2-shaped target)
   python scripts/gpu.py graphs --graph-limit 20 --check-prompts 6 --eager-limit 3 [--breakdown]
@@ -513,6 +515,100 @@ def stage_engine(args) -> None:
         (OUT / "engine.json").write_text(json.dumps(report, indent=1))
 
 
+def stage_hardening(args) -> None:
+    """Issue 19 on the GPU, no stash: the engine's CUDA-graph runner with chunked prefill (greedy
+    fp32 output against Hugging Face's greedy, prompts longer than a chunk) and with a drafter holding
+    one NaN weight (sampled: the first two tokens' joint distribution against the target's, token and
+    block verification inside the graphs). Random tiny targets (tests/targets.py). $OUT/hardening.json."""
+    import math
+
+    import torch
+    import transformers as tf
+    sys.path.insert(0, str(ROOT / "tests"))
+    from targets import VOCAB, build
+    from dflash2.config import DFlash2Config
+    from dflash2.engine.engine import EngineConfig, LLMEngine
+    from dflash2.engine.request import Request
+    from dflash2.model import DFlash2DraftModel
+    from dflash2.target import TargetModel
+    from dflash2.verification import SamplingParams, probs_from_logits
+    def tiny_config(**kw):  # tests/conftest.py's tiny drafter (conftest itself needs pytest)
+        base = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=12,
+                    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, intermediate_size=48, vocab_size=97,
+                    target_layer_ids=[0, 2], num_target_layers=3, block_size=5, mask_token_id=96, sliding_window=16,
+                    conv_kernel_size=2, conv_group_size=4, selector_rank=8, selector_top_k=6, rope_theta=10000.0,
+                    max_position_embeddings=256)
+        base.update(kw)
+        return DFlash2Config(**base)
+
+    info = env_report()
+    report: dict = {"env": info}
+    OUT.mkdir(parents=True, exist_ok=True)
+    dev = "cuda"
+    t = TargetModel(build("llama", seed=3).to(dev), layer_ids=[0, 2])
+    torch.manual_seed(3)
+    d = DFlash2DraftModel(tiny_config(hidden_size=t.config.hidden_size, vocab_size=VOCAB, mask_token_id=VOCAB - 1,
+                                      target_layer_ids=[0, 2], num_target_layers=t.num_layers)).init_weights(std=0.2).to(dev)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (int(n),), generator=g) for n in torch.randint(3, 90, (12,), generator=g)]
+    eng = LLMEngine(t, d, EngineConfig(max_running_requests=8, num_draft_tokens=5, context_length=256,
+                                       chunked_prefill_size=16, max_total_tokens=8192))
+    reqs = [Request(p.tolist(), SamplingParams(max_new_tokens=24)) for p in prompts]
+    t0 = time.time()
+    for r in reqs:
+        eng.add_request(r)
+    eng.run_until_done()
+    same = 0
+    for p, r in zip(prompts, reqs):
+        ref = t.model.generate(p[None].to(dev), max_new_tokens=24, do_sample=False)[0, p.numel():]
+        same += r.output_ids == ref.tolist()
+    report["greedy_chunked"] = {"runner": type(eng.runner).__name__, "graphed": getattr(eng.runner, "use_graph", False),
+                                "identical": same, "of": len(reqs), "seconds": round(time.time() - t0, 2)}
+    log(f"greedy, chunked prefill 16, graphs: {json.dumps(report['greedy_chunked'])}")
+    V = 8
+    torch.manual_seed(3)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                               num_attention_heads=2, num_key_value_heads=1, eos_token_id=None,
+                                               bos_token_id=None, pad_token_id=None)).eval()
+    with torch.no_grad():
+        for q in model.parameters():
+            if q.dim() == 2:
+                q.normal_(0, 0.5)
+    model = model.to(dev)
+    tt = TargetModel(model, layer_ids=[0])
+    nd = DFlash2DraftModel(tiny_config(hidden_size=16, vocab_size=V, mask_token_id=V - 1, target_layer_ids=[0],
+                                       num_target_layers=2, selector_top_k=4, rope_scaling=None)).init_weights(std=0.2)
+    with torch.no_grad():
+        nd.fc.weight.view(-1)[0] = math.nan
+    nd = nd.to(dev)
+    prompt = [1, 2, 3]
+    with torch.no_grad():
+        p1 = probs_from_logits(model(torch.tensor([prompt], device=dev)).logits[0, -1], 1.0)
+        joint = torch.stack([p1[a] * probs_from_logits(model(torch.tensor([prompt + [a]], device=dev)).logits[0, -1], 1.0)
+                             for a in range(V)]).flatten().cpu().double()
+    for method in ("token", "block"):
+        e = LLMEngine(tt, nd, EngineConfig(max_running_requests=64, num_draft_tokens=4, context_length=64,
+                                           block_verification=method == "block", max_total_tokens=64 * 16))
+        rs = [Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=s, ignore_eos=True)) for s in range(3000)]
+        for r in rs:
+            e.add_request(r)
+        e.run_until_done()
+        counts = torch.bincount(torch.tensor([r.output_ids[0] * V + r.output_ids[1] for r in rs if len(r.output_ids) == 2]),
+                                minlength=V * V).double()
+        keep = joint > 0
+        exp = joint[keep] / joint[keep].sum() * counts[keep].sum()
+        stat = float(((counts[keep] - exp) ** 2 / exp).sum())  # Pearson's chi-square (no scipy on the image)
+        dof = int(keep.sum()) - 1
+        row = {"runner": type(e.runner).__name__, "graphed": getattr(e.runner, "use_graph", False),
+               "finished_ok": sum(r.finish_reason == "length" for r in rs), "of": len(rs),
+               "accepted_drafts": e.stats.accepted_by_position[0], "chi2": round(stat, 2), "dof": dof,
+               "chi2_pvalue": float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                                            torch.tensor(stat / 2, dtype=torch.float64)))}
+        report[f"nan_drafter_{method}"] = row
+        log(f"NaN drafter, sampled, {method}: {json.dumps(row)}")
+    (OUT / "hardening.json").write_text(json.dumps(report, indent=1))
+
+
 def stage_attn(args) -> None:
     """The engine's graphed verify and draft at batch 1 and 8, target attention through SDPA or
     as grouped matmuls, buffers of 1,029 and 4,101 positions: median of 100 synchronised replays.
@@ -560,7 +656,7 @@ def stage_attn(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("stage", choices=["stash", "prepare", "train", "bench", "graphs", "engine", "attn"])
+    ap.add_argument("stage", choices=["stash", "prepare", "train", "bench", "graphs", "engine", "attn", "hardening"])
     ap.add_argument("--graph-limit", type=int, default=20, help="graphs: GSM8K test prompts timed")
     ap.add_argument("--graph-temperatures", default="0,1")
     ap.add_argument("--graph-max-len", type=int, default=1024)
@@ -605,7 +701,7 @@ def main() -> None:
     ap.add_argument("--bench-seconds", type=float, default=150)
     args = ap.parse_args()
     {"stash": stage_stash, "prepare": stage_prepare, "train": stage_train, "bench": stage_bench,
-     "graphs": stage_graphs, "engine": stage_engine, "attn": stage_attn}[args.stage](args)
+     "graphs": stage_graphs, "engine": stage_engine, "attn": stage_attn, "hardening": stage_hardening}[args.stage](args)
 
 
 if __name__ == "__main__":
