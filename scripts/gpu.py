@@ -523,24 +523,13 @@ def stage_hardening(args) -> None:
     import math
 
     import torch
-    import transformers as tf
     sys.path.insert(0, str(ROOT / "tests"))
-    from targets import VOCAB, build
-    from dflash2.config import DFlash2Config
+    from targets import VOCAB, build, sharp_v8_llama, tiny_config
     from dflash2.engine.engine import EngineConfig, LLMEngine
     from dflash2.engine.request import Request
     from dflash2.model import DFlash2DraftModel
     from dflash2.target import TargetModel
     from dflash2.verification import SamplingParams, probs_from_logits
-    def tiny_config(**kw):  # tests/conftest.py's tiny drafter (conftest itself needs pytest)
-        base = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=12,
-                    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, intermediate_size=48, vocab_size=97,
-                    target_layer_ids=[0, 2], num_target_layers=3, block_size=5, mask_token_id=96, sliding_window=16,
-                    conv_kernel_size=2, conv_group_size=4, selector_rank=8, selector_top_k=6, rope_theta=10000.0,
-                    max_position_embeddings=256)
-        base.update(kw)
-        return DFlash2Config(**base)
-
     info = env_report()
     report: dict = {"env": info}
     OUT.mkdir(parents=True, exist_ok=True)
@@ -566,15 +555,7 @@ def stage_hardening(args) -> None:
                                 "identical": same, "of": len(reqs), "seconds": round(time.time() - t0, 2)}
     log(f"greedy, chunked prefill 16, graphs: {json.dumps(report['greedy_chunked'])}")
     V = 8
-    torch.manual_seed(3)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                               num_attention_heads=2, num_key_value_heads=1, eos_token_id=None,
-                                               bos_token_id=None, pad_token_id=None)).eval()
-    with torch.no_grad():
-        for q in model.parameters():
-            if q.dim() == 2:
-                q.normal_(0, 0.5)
-    model = model.to(dev)
+    model = sharp_v8_llama(3).to(dev)
     tt = TargetModel(model, layer_ids=[0])
     nd = DFlash2DraftModel(tiny_config(hidden_size=16, vocab_size=V, mask_token_id=V - 1, target_layer_ids=[0],
                                        num_target_layers=2, selector_top_k=4, rope_scaling=None)).init_weights(std=0.2)

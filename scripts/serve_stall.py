@@ -3,7 +3,7 @@
 Starts ``dflash2 serve`` on the embedded default with each --chunked-prefill-size given, streams a
 greedy chat answer (client A), and while it streams sends a long prompt (client B, about
 --long-tokens tokens); reports A's longest gap between two stream events, its median gap, and how
-long /health took to answer while B's prefill ran. Run: .venv/bin/python scripts/serve_stall.py
+long /health took to answer while B's prefill ran. Run: .venv/bin/python scripts/serve_stall.py --chunks=-1,256
 """
 from __future__ import annotations
 

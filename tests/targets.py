@@ -2,6 +2,8 @@
 import torch
 import transformers as tf
 
+from dflash2.config import DFlash2Config
+
 VOCAB = 96
 
 
@@ -73,3 +75,29 @@ class OracleProposer:
             toks.append(tok)
         t = torch.tensor(toks)
         return t, torch.nn.functional.one_hot(t, self.vocab).float()
+
+
+def tiny_config(**overrides) -> DFlash2Config:
+    base = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=12,
+                qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, intermediate_size=48, vocab_size=97,
+                target_layer_ids=[0, 2], num_target_layers=3, block_size=5, mask_token_id=96, sliding_window=16,
+                conv_kernel_size=2, conv_group_size=4, selector_rank=8, selector_top_k=6,
+                rope_theta=10000.0, max_position_embeddings=256,
+                rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+    base.update(overrides)
+    return DFlash2Config(**base)
+
+
+def sharp_v8_llama(seed: int = 3):
+    """A 2-layer Llama over 8 tokens with sharp, context-dependent distributions: small enough that
+    the exact joint distribution of two sampled tokens is computed by enumeration."""
+    torch.manual_seed(seed)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                               num_attention_heads=2, num_key_value_heads=1, eos_token_id=None,
+                                               bos_token_id=None, pad_token_id=None)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.5)
+    return model

@@ -168,3 +168,16 @@ def test_side_by_side_on_a_tiny_model(monkeypatch):
     assert all(r.prompts == 3 and r.seconds > 0 and r.accept_length >= 1 for r in rows)
     assert {r.completion_tokens for r in rows[:3]} == {rows[0].completion_tokens}
     assert sum(rows[1].accept_hist) == rows[1].verify_steps
+
+
+def test_bench_speed_uses_the_loaded_width_and_verifier():
+    """--speculative-num-draft-tokens and --speculative-use-block-verification reach bench speed."""
+    from dflash2.benchmark.cli import speed_configs
+    from dflash2.cli import build_parser
+    parse = lambda *a: build_parser().parse_args(["bench", "speed", *a])
+    assert speed_configs(parse(), 8) == ([8], ["token"])
+    assert speed_configs(parse("--speculative-num-draft-tokens", "6", "--speculative-use-block-verification"), 6) \
+        == ([6], ["block"])
+    assert speed_configs(parse("--widths", "5,8", "--verifiers", "token,block"), 6) == ([5, 8], ["token", "block"])
+    with pytest.raises(SystemExit):
+        speed_configs(parse("--verifiers", "greedy"), 5)

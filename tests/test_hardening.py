@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import tiny_config
-from targets import VOCAB, build
+from targets import VOCAB, build, sharp_v8_llama
 from test_speculative import hf_greedy, random_draft
 from dflash2.config import ConfigError, DFlash2Config
 from dflash2.engine import engine as engine_mod
@@ -389,16 +389,8 @@ def test_chunked_prefill_keeps_output_and_interleaves(llama, runner):
 def test_nan_drafter_keeps_the_target_distribution(method):
     """A drafter with one NaN weight (loaded past the checks) can cost speed, never correctness:
     the first two sampled tokens through the engine follow the target's exact joint distribution."""
-    import transformers as tf
     V = 8
-    torch.manual_seed(3)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                               num_attention_heads=2, num_key_value_heads=1, eos_token_id=None,
-                                               bos_token_id=None, pad_token_id=None)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.5)
+    model = sharp_v8_llama(3)
     t = TargetModel(model, layer_ids=[0])
     d = DFlash2DraftModel(tiny_config(hidden_size=16, vocab_size=V, mask_token_id=V - 1, target_layer_ids=[0],
                                       num_target_layers=2, selector_top_k=4, rope_scaling=None)).init_weights(std=0.2)

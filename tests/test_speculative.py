@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import tiny_config
-from targets import ARCHS, VOCAB, OracleProposer, build
+from targets import ARCHS, VOCAB, OracleProposer, build, sharp_v8_llama
 from dflash2.engine import DFlashProposer, speculative_generate
 from dflash2.model import DFlash2DraftModel
 from dflash2.target import TargetModel
@@ -148,16 +148,8 @@ class NoisyProposer:
 @pytest.mark.parametrize("method,top_p", [("token", 1.0), ("block", 1.0), ("token", 0.8), ("block", 0.8)])
 def test_sampled_first_tokens_match_target_distribution(method, top_p):
     """Temperature 1: the first two generated tokens follow the exact target distribution."""
-    import transformers as tf
     V = 8
-    torch.manual_seed(3)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                               num_attention_heads=2, num_key_value_heads=1, eos_token_id=None,
-                                               bos_token_id=None, pad_token_id=None)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.5)
+    model = sharp_v8_llama(3)
     t = TargetModel(model, layer_ids=[0])
     prompt = torch.tensor([1, 2, 3])
     with torch.no_grad():

@@ -8,102 +8,10 @@ import time
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_DRAFT = REPO / "models" / "smollm2-135m-dflash2"
+from .entry import DEFAULT_DRAFT, REPO, add_model_flags, add_sampling_flags, load_models, sampling_from  # noqa: F401
+
 DEMO_QUESTION = ("A baker makes 24 muffins in the morning and 18 muffins in the afternoon. She sells 30 muffins "
                  "and gives 5 to her neighbour. How many muffins does she have left?")  # not from GSM8K
-
-
-def add_model_flags(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model-path", default=None, help="target: folder with config.json or a .gguf (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--speculative-algorithm", default="DFLASH", choices=["DFLASH", "NONE"])
-    ap.add_argument("--speculative-draft-model-path", default=None, help=f"drafter folder (default: {DEFAULT_DRAFT.relative_to(REPO)})")
-    ap.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                    help="verification width, counting the current token (default: the drafter's block_size)")
-    ap.add_argument("--speculative-use-block-verification", action="store_true")
-    ap.add_argument("--speculative-token-map", default=None,
-                    help="draft vocabulary subset (.pt or .json ids); default: token_map.pt beside the drafter "
-                         "when present; 'none' scores the full vocabulary")
-    ap.add_argument("--speculative-draft-model-quantization", default="auto", choices=["auto", "none", "w8a8_int8"],
-                    help="w8a8_int8: the drafter's layers and head rows in int8 (CPU fp32 only; lossless, since "
-                         "the target verifies: the draft step gets cheaper, acceptance moves a little); "
-                         "auto (default): w8a8_int8 on the CPU in fp32, none elsewhere")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--trust-remote-code", action="store_true")
-    ap.add_argument("--disable-cuda-graph", action="store_true",
-                    help="on CUDA: run eagerly instead of replaying CUDA graphs over static buffers (batch 1: "
-                         "generate, bench speed; the serving engine: per batch size, else its paged runner). "
-                         "Graphs need a dense full-attention Llama/Qwen/Mistral target; others run eagerly anyway")
-    ap.add_argument("--cuda-graph-max-len", type=int, default=2048,
-                    help="prompt + new tokens + width the CUDA-graph buffers hold (batch 1)")
-    ap.add_argument("--verify-manifest", default=None, help="refuse a drafter whose files fail this manifest")
-    ap.add_argument("--manifest-signature", default=None)
-    ap.add_argument("--manifest-public-key", default=None)
-
-
-def add_sampling_flags(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=-1)
-    ap.add_argument("--min-p", type=float, default=0.0)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=None)
-
-
-def load_models(args):
-    """Target (+ drafter unless NONE), width and verifier from the flags."""
-    import torch
-    from .model.checkpoint import CheckpointError, load_draft
-    from .model.token_map import DEFAULT_NAME as TOKEN_MAP_NAME
-    from .model.token_map import load_token_map
-    from .target.loading import load_target, resolve_dtype
-
-    draft, width = None, 1
-    if args.speculative_algorithm == "DFLASH":
-        path = Path(args.speculative_draft_model_path or DEFAULT_DRAFT)
-        if args.verify_manifest:
-            from .integrity.manifest import verify_folder
-            if not verify_folder(path, args.verify_manifest, args.manifest_signature, args.manifest_public_key,
-                                 progress=False):
-                raise CheckpointError(f"{path}: refused, the files do not match {args.verify_manifest}")
-        dtype = resolve_dtype(args.dtype, args.device)
-        draft = load_draft(path, device=args.device, dtype=dtype)
-        # inference only: a no-op off the CPU or in bf16
-        quant = getattr(args, "speculative_draft_model_quantization", "none")
-        if quant == "auto":  # paired on the 2-core CPU: +4% tok/s at w=5, +9% at w=8 (docs/benchmarks.md)
-            quant = "w8a8_int8" if args.device == "cpu" and dtype == torch.float32 else "none"
-        draft.pack_cpu_linears(quant)
-        width = draft.config.block_size
-        if args.speculative_num_draft_tokens is not None:
-            if args.speculative_num_draft_tokens < 2:
-                raise SystemExit("--speculative-num-draft-tokens must be >= 2")
-            if args.speculative_num_draft_tokens != width:
-                warnings.warn(f"--speculative-num-draft-tokens {args.speculative_num_draft_tokens} overrides the "
-                              f"drafter's block_size {width}")
-            width = args.speculative_num_draft_tokens
-    target = load_target(args.model_path, args.dtype, args.device,
-                         layer_ids=draft.config.target_layer_ids if draft else [],
-                         trust_remote_code=args.trust_remote_code)
-    if draft is not None:
-        if draft.config.hidden_size != target.config.hidden_size or draft.config.vocab_size != target.lm_head_weight.shape[0]:
-            raise SystemExit(f"drafter (hidden {draft.config.hidden_size}, vocab {draft.config.vocab_size}) does not fit "
-                             f"the target (hidden {target.config.hidden_size}, vocab {target.lm_head_weight.shape[0]})")
-        map_path = getattr(args, "speculative_token_map", None)
-        if map_path is None and (path / TOKEN_MAP_NAME).is_file():
-            map_path = path / TOKEN_MAP_NAME
-        if map_path is not None and str(map_path).lower() != "none":
-            if args.verify_manifest and Path(map_path).resolve().parent != path.resolve():
-                raise CheckpointError(f"{map_path}: refused, --verify-manifest covers only the files in {path}")
-            draft.set_token_map(load_token_map(map_path, draft.config.vocab_size), target.lm_head_weight)
-    torch.set_grad_enabled(False)
-    return target, draft, width
-
-
-def sampling_from(args):
-    from .verification import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          max_new_tokens=args.max_new_tokens, seed=args.seed)
 
 
 def cmd_generate(args) -> int:

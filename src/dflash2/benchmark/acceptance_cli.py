@@ -15,7 +15,7 @@ from .metrics import aggregate, per_position
 
 
 def add_acceptance_parser(bsub) -> None:
-    from ..cli import add_model_flags
+    from ..entry import add_model_flags
     p = bsub.add_parser("acceptance", help="acceptance length on GSM8K / AIME / GPQA (the card's table)")
     add_model_flags(p)
     p.add_argument("--base-url", default=None, help="a running server (ours or SGLang); else in process")
@@ -74,7 +74,7 @@ class EngineBackend:
     """All requests go into one in-process engine (continuous batching), like a server would."""
 
     def __init__(self, args):
-        from ..cli import load_models
+        from ..entry import load_models
         from ..engine.engine import EngineConfig, LLMEngine
         target, draft, width = load_models(args)
         self.tok = target.tokenizer

@@ -9,14 +9,16 @@ def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench_cmd", required=True)
     s = bsub.add_parser("speed", help="target alone vs DFlash2 on the same prompts, in one run")
-    from ..cli import add_model_flags
+    from ..entry import add_model_flags
     add_model_flags(s)
     s.add_argument("--gsm8k-path", default=str(Path(__file__).resolve().parents[3].parent / "shared/data/gsm8k/test.jsonl"))
     s.add_argument("--limit", type=int, default=20)
     s.add_argument("--max-new-tokens", type=int, default=256)
-    s.add_argument("--widths", default="5,8")
+    s.add_argument("--widths", default=None,
+                   help="e.g. 5,8 (default: the loaded width, --speculative-num-draft-tokens or the drafter's)")
     s.add_argument("--temperatures", default="0,1")
-    s.add_argument("--verifiers", default="token,block")
+    s.add_argument("--verifiers", default=None,
+                   help="e.g. token,block (default: block with --speculative-use-block-verification, else token)")
     s.add_argument("--concurrency", default=None,
                    help="e.g. 1,8,32,64: measure through the serving engine at these concurrencies "
                         "(else batch 1 through the single-request loop)")
@@ -33,16 +35,32 @@ def add_bench_parser(sub) -> None:
     add_acceptance_parser(bsub)
 
 
+def speed_configs(args, width: int) -> tuple[list[int], list[str]]:
+    """The widths and sampled verifiers to time: ``--widths`` / ``--verifiers`` when given, else the
+    loaded width and the verifier the model flags chose (no model flag is silently ignored)."""
+    widths = [int(w) for w in args.widths.split(",")] if args.widths else [width]
+    verifiers = args.verifiers.split(",") if args.verifiers else \
+        ["block" if args.speculative_use_block_verification else "token"]
+    bad = [v for v in verifiers if v not in ("token", "block")]
+    if bad or any(w < 2 for w in widths):
+        raise SystemExit(f"--verifiers must be token or block and --widths >= 2 (got {args.verifiers}, {args.widths})")
+    return widths, verifiers
+
+
 def cmd_speed(args) -> int:
-    from ..cli import load_models
+    from ..entry import load_models
     from .speed import format_table, gsm8k_test_prompts, save_rows, side_by_side
 
-    target, draft, _ = load_models(args)
+    target, draft, width = load_models(args)
+    if draft is None:
+        raise SystemExit("bench speed compares the target alone with DFlash2: --speculative-algorithm NONE "
+                         "leaves nothing to compare")
+    widths, verifiers = speed_configs(args, width)
     prompts = gsm8k_test_prompts(args.gsm8k_path, args.limit)
     if args.concurrency:
         from . import engine_speed
-        rows = engine_speed.run(target, draft, prompts, [int(w) for w in args.widths.split(",")],
-                                args.verifiers.split(","), [int(c) for c in args.concurrency.split(",")],
+        rows = engine_speed.run(target, draft, prompts, widths,
+                                verifiers, [int(c) for c in args.concurrency.split(",")],
                                 args.max_new_tokens, args.temperature, args.requests_per_slot, args.rounds,
                                 on_level=lambda rows: (print(engine_speed.table(rows), flush=True),
                                                        engine_speed.save(rows, args.output)),
@@ -52,9 +70,9 @@ def cmd_speed(args) -> int:
     from ..engine.static_decode import cuda_graphs_apply
     use_graphs = cuda_graphs_apply(target, args.disable_cuda_graph)
     print(f"batch 1, {'CUDA graphs over static buffers' if use_graphs else 'eager'}", flush=True)
-    rows = side_by_side(target, draft, prompts, widths=[int(w) for w in args.widths.split(",")],
+    rows = side_by_side(target, draft, prompts, widths=widths,
                         temperatures=[float(t) for t in args.temperatures.split(",")],
-                        max_new_tokens=args.max_new_tokens, verifies=tuple(args.verifiers.split(",")),
+                        max_new_tokens=args.max_new_tokens, verifies=tuple(verifiers),
                         cuda_graph=use_graphs, max_len=args.cuda_graph_max_len)
     print(format_table(rows))
     if args.output:

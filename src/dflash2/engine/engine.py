@@ -6,6 +6,7 @@ what it accepted; nothing crosses rows). The same engine runs the target alone (
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -47,7 +48,8 @@ class EngineConfig:
     page_size: int = 16
     runner: str = "auto"                 # auto: static buffers + CUDA graphs where they apply, else paged
     disable_cuda_graph: bool = False     # SGLang's flag: the paged runner on CUDA too (static: eager)
-    chunked_prefill_size: int = 512      # SGLang's flag: prompt tokens per step (-1: a whole prompt at once)
+    chunked_prefill_size: int | None = None  # SGLang's flag: prompt tokens per step (-1: whole prompts;
+    #                                      None: 256 on the CPU, 2048 on CUDA; docs/benchmarks.md, chunked prefill)
     stall_s: float = 120.0               # /health fails when the loop has work but has not come round for this long
 
     def __post_init__(self):
@@ -61,7 +63,7 @@ class EngineConfig:
             raise ValueError(f"runner must be auto, paged or static, got {self.runner!r}")
         if self.max_total_tokens < self.page_size:
             raise ValueError(f"KV budget {self.max_total_tokens} tokens is smaller than one page")
-        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+        if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
             raise ValueError(f"--chunked-prefill-size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
 
 
@@ -83,6 +85,8 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, target, draft, cfg: EngineConfig):
+        if cfg.chunked_prefill_size is None:
+            cfg = dataclasses.replace(cfg, chunked_prefill_size=2048 if target.device.type == "cuda" else 256)
         self.cfg = cfg
         self.target, self.draft = target, (draft if cfg.speculative else None)
         self.width = cfg.num_draft_tokens if self.draft is not None else 1

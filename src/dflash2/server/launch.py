@@ -6,7 +6,7 @@ import logging
 
 
 def add_serve_parser(sub) -> None:
-    from ..cli import add_model_flags
+    from ..entry import add_model_flags
     p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
     add_model_flags(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -16,9 +16,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (CPU default 65536)")
     p.add_argument("--mem-fraction-static", type=float, default=0.8)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--chunked-prefill-size", type=int, default=512,
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
                    help="prompt tokens prefilled per engine step, so a long prompt does not stall running "
-                        "requests (-1: whole prompts)")
+                        "requests (-1: whole prompts; default 256 on the CPU, 2048 on CUDA)")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--speculative-draft-kv-cache-dtype", default="auto")
     p.add_argument("--tp-size", type=int, default=1)
@@ -46,7 +46,7 @@ def check_flags(args) -> None:
         raise SystemExit(f"--mem-fraction-static must be in (0, 1], got {args.mem_fraction_static}")
     if args.max_running_requests < 1:
         raise SystemExit(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
-    if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
+    if args.chunked_prefill_size is not None and (args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1):
         raise SystemExit(f"--chunked-prefill-size must be -1 (off) or >= 1, got {args.chunked_prefill_size}")
 
 
@@ -63,7 +63,7 @@ def kv_budget_tokens(args, target) -> int:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from ..cli import load_models
+    from ..entry import load_models
     from ..engine.engine import EngineConfig, LLMEngine
     from .app import create_app
 
