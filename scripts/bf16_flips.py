@@ -4,7 +4,6 @@ import json
 import sys
 import warnings
 
-import torch
 
 warnings.filterwarnings("ignore")
 from dflash2.benchmark.speed import gsm8k_test_prompts

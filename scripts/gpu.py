@@ -489,7 +489,7 @@ def stage_engine(args) -> None:
                 req = Request(x, SamplingParams())
                 runner.prefill(req)
                 req.output_ids.append(x[-1])
-                runner.propose([req], w, None)  # fills the slot's anchor and position
+                runner._load([req], torch.tensor([[x[-1]]], device=target.device), None)  # the slot's anchor and position
                 for kind in ("draft", "verify"):
                     for kv_len in runner.kv_buckets:  # attending over a prefix, and over the whole buffer
                         step, _ = runner._graph(kind, 1, True, kv_len)
@@ -620,7 +620,7 @@ def stage_attn(args) -> None:
                 for r in reqs:
                     runner.prefill(r)
                     r.output_ids.append(r.prompt_ids[-1])
-                runner.propose(reqs, 5, None)  # fills the slots' anchors and positions
+                runner._load(reqs, torch.tensor([[r.all_ids[-1]] for r in reqs], device=dev), None)  # anchors, positions
                 # fixed blocks (drafts could differ between the two forms by a rounding flip)
                 blocks = torch.tensor(prompt[:5 * B], device=dev).view(B, 5)
                 logits[attention, max_len, B] = runner.static.forward(blocks, runner.start[:B])[0].float().cpu()

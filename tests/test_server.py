@@ -1,8 +1,5 @@
 """The server as a real process on a loopback port, driven by the official openai client."""
 import concurrent.futures as cf
-import json
-import os
-import shutil
 import socket
 import subprocess
 import sys

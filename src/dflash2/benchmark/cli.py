@@ -1,7 +1,6 @@
 """``dflash2 bench speed``: side-by-side speed in process (target alone vs DFlash2)."""
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 

@@ -1,8 +1,11 @@
 """The serving engine: a queue, a scheduler, a model runner, and one batched speculative step.
 
-Each step: prefill newly admitted requests; then one batched draft forward, the selector for
-every row, one batched target verify forward, and per-request acceptance (each request keeps
-what it accepted; nothing crosses rows). The same engine runs the target alone (width 1).
+``step``: aborts and admissions; up to ``chunked_prefill_size`` prompt tokens of the admitted
+requests (a new request's first token comes from its prefill); then ``runner.step`` for every
+running request: one batched draft forward with the selector's walk, one batched target verify
+forward and the verifier (each request keeps what it accepted; nothing crosses rows), and the
+engine appends the tokens and applies the stop rules. The same engine runs the target alone
+(width 1). A step that raises fails its requests, never the loop.
 """
 from __future__ import annotations
 
@@ -20,10 +23,10 @@ from ..verification import probs_from_logits, sample_from_probs
 from .block_manager import BlockManager
 from .graph_runner import GraphModelRunner, static_bytes
 from .model_runner import ModelRunner
-from .request import Request, Status, prefill_ids
+from .request import Request, prefill_ids
 from .scheduler import Scheduler
 from .speculative import eos_ids, make_generator
-from .steps import BatchSampling
+from .steps import BatchSampling, Runner
 from .static_decode import cuda_graphs_apply
 
 log = logging.getLogger("dflash2.engine")
@@ -92,7 +95,7 @@ class LLMEngine:
         self.width = cfg.num_draft_tokens if self.draft is not None else 1
         self.bm = BlockManager(cfg.max_total_tokens // cfg.page_size, cfg.page_size)
         self.scheduler = Scheduler(self.bm, cfg.max_running_requests, self.width)
-        self.runner = self._make_runner()
+        self.runner: Runner = self._make_runner()
         self.stats = EngineStats(accepted_by_position=[0] * max(self.width - 1, 0))
         self.eos = eos_ids(target)
         self.vocab_size = min(target.embed.num_embeddings, target.lm_head_weight.shape[0])
@@ -121,7 +124,7 @@ class LLMEngine:
         if static:
             return GraphModelRunner(target, self.draft, self.width, cfg.max_running_requests, max_len,
                                     cuda_graph=not cfg.disable_cuda_graph, block_verification=cfg.block_verification)
-        return ModelRunner(target, self.draft, self.bm)
+        return ModelRunner(target, self.draft, self.bm, self.width, cfg.block_verification)
 
     # ---- API (any thread) -------------------------------------------------------------------
     def add_request(self, req: Request) -> Request:
@@ -205,6 +208,14 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
+        """Aborts and admissions, a chunk of prefill, then one speculative step of every running request."""
+        self._admit()
+        self._prefill_some()
+        reqs = self._decode_batch()
+        if reqs:
+            self._decode(reqs)
+
+    def _admit(self) -> None:
         with self.lock:
             for rid in list(self._aborts):
                 for req in list(self.scheduler.running) + list(self.scheduler.waiting):
@@ -212,7 +223,10 @@ class LLMEngine:
                         self._finish(req, "abort")
             self._aborts.clear()
             self.prefilling.extend(self.scheduler.admit())
-        self._prefill_some()
+
+    def _decode_batch(self) -> list[Request]:
+        """The running requests whose prompt is in, once KV room for their next block is reserved
+        (preempting the newest when the pool is short)."""
         with self.lock:
             preempted = self.scheduler.reserve_step()
         for req in preempted:
@@ -221,19 +235,36 @@ class LLMEngine:
                 self.prefilling.remove(req)
             self.stats.preemptions += 1
         reqs = [r for r in self.scheduler.running if not r.finished and r not in self.prefilling]
-        if not reqs:
-            if self.scheduler.waiting and not self.scheduler.running:
-                req = self.scheduler.waiting[0]  # nothing running and still no room: it can never fit
-                with self.lock:
-                    self._finish(req, "error", "request does not fit the KV pool")
-            return
+        if not reqs and self.scheduler.waiting and not self.scheduler.running:
+            with self.lock:  # nothing running and still no room: it can never fit
+                self._finish(self.scheduler.waiting[0], "error", "request does not fit the KV pool")
+        return reqs
+
+    def _decode(self, reqs: list[Request]) -> None:
+        t0 = time.perf_counter()
+        # all greedy (the usual batch): argmax acceptance needs no distributions, uniforms or parameters
+        greedy = all(r.sampling.greedy for r in reqs)
+        sampling = None if greedy else BatchSampling.draw(reqs, self.width - 1, self.target.device)
         try:
-            self._spec_step(reqs)
-        except Exception as e:  # a failing batch must not take the server down
+            out = self.runner.step(reqs, sampling)
+        except Exception as e:  # a failing batch fails its requests, not the server
             log.exception("speculative step failed")
             with self.lock:
                 for r in reqs:
                     self._finish(r, "error", f"{type(e).__name__}: {e}")
+            return
+        s = self.stats
+        for r, tokens, n in zip(reqs, out.tokens, out.num_accepted):
+            r.verify_steps += 1
+            r.accept_hist[n] += 1
+            s.verify_steps += 1
+            for i in range(n):
+                s.accepted_by_position[i] += 1
+            self._append(r, tokens)
+        s.steps += 1
+        s.draft_s += out.draft_s
+        s.verify_s += out.verify_s
+        s.step_s += time.perf_counter() - t0
 
     def _prefill_some(self) -> None:
         """Up to ``chunked_prefill_size`` prompt tokens, oldest admitted first; a request whose prompt
@@ -260,38 +291,6 @@ class LLMEngine:
                 log.exception("prefill failed")
                 with self.lock:
                     self._finish(req, "error", f"prefill failed: {type(e).__name__}: {e}")
-
-    def _spec_step(self, reqs: list[Request]) -> None:
-        t0 = time.perf_counter()
-        B, g, device = len(reqs), self.width - 1, self.target.device
-        anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=device)
-        # all greedy (the usual batch): argmax acceptance needs no distributions, uniforms or parameters
-        sampling = None if all(r.sampling.greedy for r in reqs) else BatchSampling.draw(reqs, g, device)
-        if g:
-            drafts, q_draft = self.runner.propose(reqs, self.width, sampling)
-        else:
-            drafts = torch.empty(B, 0, dtype=torch.long, device=device)
-            q_draft = None if sampling is None else torch.empty(B, 0, self.target.lm_head_weight.shape[0], device=device)
-        blocks = torch.cat([anchors[:, None], drafts], dim=1)
-        t1 = time.perf_counter()
-        res, handle = self.runner.verify(reqs, blocks, q_draft, sampling, self.cfg.block_verification)
-        keep = (res.num_accepted + 1).tolist()
-        t2 = time.perf_counter()
-        emitted = res.tokens.tolist()  # one read-back for the whole batch, not one per row
-        self.runner.commit(reqs, handle, keep)
-        for b, r in enumerate(reqs):
-            n = keep[b] - 1
-            r.verify_steps += 1
-            r.accept_hist[n] += 1
-            self.stats.verify_steps += 1
-            for i in range(n):
-                self.stats.accepted_by_position[i] += 1
-            self._append(r, emitted[b][: keep[b]])
-        s = self.stats
-        s.steps += 1
-        s.draft_s += t1 - t0
-        s.verify_s += t2 - t1
-        s.step_s += time.perf_counter() - t0
 
     # ---- tokens and stopping ------------------------------------------------------------------
     def _append(self, req: Request, tokens: list[int]) -> None:

@@ -12,10 +12,11 @@ are overwritten later, so commit only counts. A step is two replays (draft block
 walk; target verify + latents + verifier) whose math is :mod:`.steps`, shared with
 :class:`ModelRunner`; sampled batches read per-request parameters and uniforms from slot
 buffers. Graphs are keyed by batch bucket, attention prefix (``KV_BUCKETS``), greedy or
-sampled, draft or verify. Same methods as :class:`ModelRunner`.
+sampled, draft or verify. Same methods as :class:`ModelRunner` (the :class:`.steps.Runner` protocol).
 """
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
@@ -27,7 +28,7 @@ from ..verification import VerifyResult
 from . import steps
 from .request import Request, prefill_ids
 from .static_decode import Replay
-from .steps import BatchSampling
+from .steps import BatchSampling, StepOutput
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 ATTENTION = "sdpa"  # the target's attention over the slot buffers (StaticTarget: sdpa or matmul)
@@ -62,7 +63,6 @@ class GraphModelRunner:
         self.start = torch.zeros(num_slots, **lng)         # per slot: the anchor's position
         self.ar = torch.arange(width, **lng)
         self.occupant: list[Request] = []                  # occupant[s] holds slot s
-        self._step: tuple | None = None                    # (slots, batch bucket, prefix) of the step being proposed
         # per slot, for sampled batches: parameters, uniforms, and q_draft from the draft graph
         # (idle slots keep a previous occupant's values: valid inputs whose results nobody reads)
         f32 = dict(dtype=torch.float32, device=dev)
@@ -169,7 +169,7 @@ class GraphModelRunner:
                                   capturable=True)
         if q is not None:
             self.q_draft[:B].copy_(q)
-        out["tokens"] = tokens
+        self.ids[:B, 1:].copy_(tokens)  # the verify graph reads them there
 
     # ---- the runner's methods -----------------------------------------------------------------
     @torch.no_grad()
@@ -204,31 +204,20 @@ class GraphModelRunner:
         return idx, B, kv_len
 
     @torch.no_grad()
-    def propose(self, reqs: list[Request], width: int, sampling: BatchSampling | None):
-        """Draft tokens ``[B, width-1]`` in one replay (block, candidates, walk); ``q_draft`` stays in
-        its slot buffer for the verify graph (None is returned in its place)."""
+    def step(self, reqs: list[Request], sampling: BatchSampling | None) -> StepOutput:
+        """Two replays: the draft block + selector walk writes the drafts beside the anchors in the
+        slots' id buffer (and q_draft into its slot buffer); the verify graph runs the target over
+        them, writes K/V and draft latents in place and runs the verifier. A commit only counts."""
+        t0 = time.perf_counter()
         anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=self.ids.device)
-        idx, B, kv_len = self._step = self._load(reqs, anchors[:, None], sampling)
-        step, out = self._graph("draft", B, sampling is None, kv_len)
-        step()
-        return out["tokens"][idx], None
-
-    @torch.no_grad()
-    def verify(self, reqs: list[Request], blocks: torch.Tensor, q_draft, sampling: BatchSampling | None,
-               block: bool) -> tuple[VerifyResult, None]:
-        """Target forward, draft latents and the verifier in one replay."""
-        if block != self.block:
-            raise ValueError("this runner's graphs were captured for the other verifier")
-        if self.w > 1:  # the engine proposed first: anchors, positions and sampling rows are in place
-            idx, B, kv_len = self._step
-            self.ids[idx, 1:] = blocks[:, 1:].to(self.ids.device)
-        else:
-            idx, B, kv_len = self._load(reqs, blocks.to(self.ids.device), sampling)
-        step, out = self._graph("verify", B, sampling is None, kv_len)
-        step()
-        return VerifyResult(out["n"][idx], out["tokens"][idx]), None
-
-    def commit(self, reqs: list[Request], handle, keep: list[int]) -> None:
-        """Everything is already in place (K/V and latents written by the verify pass): count."""
-        for r, n in zip(reqs, keep):
-            r.num_committed += n
+        idx, B, kv_len = self._load(reqs, anchors[:, None], sampling)
+        greedy = sampling is None
+        if self.w > 1:
+            self._graph("draft", B, greedy, kv_len)[0]()
+        t1 = time.perf_counter()
+        replay, out = self._graph("verify", B, greedy, kv_len)
+        replay()
+        res = steps.finish_step(VerifyResult(out["n"][idx], out["tokens"][idx]), t0, t1)
+        for r, tokens in zip(reqs, res.tokens):
+            r.num_committed += len(tokens)
+        return res

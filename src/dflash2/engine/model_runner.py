@@ -10,21 +10,24 @@ targets use :class:`GraphModelRunner` instead (static buffers, CUDA graphs per b
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers import DynamicCache
 
 from ..model.context_cache import DraftContextCache, append_many, draft_block
-from ..verification import VerifyResult
 from . import steps
 from ..target import TargetModel
 from .block_manager import BlockManager
 from .request import Request, prefill_ids
-from .steps import BatchSampling
+from .steps import BatchSampling, StepOutput
 
 
 class ModelRunner:
-    def __init__(self, target: TargetModel, draft, block_manager: BlockManager):
+    def __init__(self, target: TargetModel, draft, block_manager: BlockManager, width: int = 1,
+                 block_verification: bool = False):
         self.target, self.draft, self.bm = target, draft, block_manager
+        self.w, self.block = width, block_verification
         self.paged = not target.is_hybrid and not getattr(target.config, "sliding_window", None)
         self.k_pool: list[torch.Tensor] = []
         self.v_pool: list[torch.Tensor] = []
@@ -80,14 +83,25 @@ class ModelRunner:
         req.num_committed = len(ids)
         return logits[-1]
 
-    # ---- verify -------------------------------------------------------------------------------
+    # ---- the step -------------------------------------------------------------------------------
     @torch.no_grad()
-    def verify(self, reqs: list[Request], blocks: torch.Tensor, q_draft, sampling: BatchSampling | None,
-               block: bool) -> tuple[VerifyResult, object]:
-        """One target forward over ``blocks [B, k]`` (anchor, drafts), then the verifier; returns its
-        result and a handle for :meth:`commit`."""
+    def step(self, reqs: list[Request], sampling: BatchSampling | None) -> StepOutput:
+        """Draft ``w - 1`` tokens per request, verify ``[anchor, drafts]`` in one target forward, keep
+        what the verifier accepted (its K/V into the pool, its features into the draft context)."""
+        t0 = time.perf_counter()
+        anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=self.target.device)
+        if self.w > 1:
+            drafts, q_draft = self.propose(reqs, anchors, sampling)
+        else:
+            drafts, q_draft = anchors[:, None][:, :0], None
+            if sampling is not None:
+                q_draft = torch.empty(len(reqs), 0, self.target.lm_head_weight.shape[0], device=anchors.device)
+        t1 = time.perf_counter()
+        blocks = torch.cat([anchors[:, None], drafts], dim=1)
         logits, feats, kv = self._forward(reqs, blocks)
-        return steps.accept(logits, blocks[:, 1:], q_draft, sampling, block), (kv, feats)
+        out = steps.finish_step(steps.accept(logits, drafts, q_draft, sampling, self.block), t0, t1)
+        self._commit(reqs, kv, feats, [len(t) for t in out.tokens])
+        return out
 
     def _forward(self, reqs: list[Request], blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object]:
         """Logits ``[B, k, V]``, features ``[B, k, K*H]`` and the new rows' K/V."""
@@ -122,10 +136,9 @@ class ModelRunner:
         new_kv = [(layer.keys[:, :, L:], layer.values[:, :, L:]) for layer in cache.layers]
         return out.logits.float(), feats, new_kv
 
-    def commit(self, reqs: list[Request], handle, keep: list[int]) -> None:
+    def _commit(self, reqs: list[Request], new_kv, feats: torch.Tensor, keep: list[int]) -> None:
         """Keep the first ``keep[b]`` verified rows of each request: their K/V, and their target
         features in the draft context."""
-        new_kv, feats = handle
         starts = [r.num_committed for r in reqs]
         if self.paged and sum(keep):
             dev = self.k_pool[0].device
@@ -144,18 +157,11 @@ class ModelRunner:
             append_many(self.draft, [r.draft_cache for r in reqs], [feats[b, :n] for b, n in enumerate(keep)], starts)
 
     # ---- draft --------------------------------------------------------------------------------
-    @torch.no_grad()
-    def draft_logits(self, reqs: list[Request], width: int):
-        device = self.target.device
-        anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=device)
-        pos = torch.tensor([r.num_committed for r in reqs], device=device)
-        return draft_block(self.draft, [r.draft_cache for r in reqs], anchors, pos, width,
-                           self.target.embed, self.target.lm_head_weight), anchors
-
-    @torch.no_grad()
-    def propose(self, reqs: list[Request], width: int, sampling: BatchSampling | None):
-        """Draft tokens ``[B, width-1]`` and ``q_draft`` (None for a greedy batch)."""
-        out, anchors = self.draft_logits(reqs, width)
+    def propose(self, reqs: list[Request], anchors: torch.Tensor, sampling: BatchSampling | None):
+        """Draft tokens ``[B, w-1]`` and ``q_draft`` (None for a greedy batch)."""
+        pos = torch.tensor([r.num_committed for r in reqs], device=anchors.device)
+        out = draft_block(self.draft, [r.draft_cache for r in reqs], anchors, pos, self.w,
+                          self.target.embed, self.target.lm_head_weight)
         return steps.propose(self.draft, out.hidden, anchors, self.target.lm_head_weight, sampling)
 
     def release(self, req: Request) -> None:

@@ -4,7 +4,9 @@ host reads). Greedy batches need only argmaxes; sampled ones carry per-request p
 uniforms as ``[B]`` / ``[B, n]`` tensors (:class:`BatchSampling`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -35,6 +37,35 @@ class BatchSampling:
 
     def params(self) -> tuple[torch.Tensor, ...]:
         return self.temperature, self.top_k, self.top_p, self.min_p
+
+
+@dataclass
+class StepOutput:
+    """What one batched step gave each request: its accepted drafts, then the emitted token."""
+    tokens: list[list[int]]
+    draft_s: float = 0.0       # draft forward + selector walk (0 without a draft)
+    verify_s: float = 0.0      # target verify + verifier + the read-back
+    num_accepted: list[int] = field(init=False)
+
+    def __post_init__(self):
+        self.num_accepted = [len(t) - 1 for t in self.tokens]
+
+
+class Runner(Protocol):
+    """What the engine asks of a model runner (width and verifier are fixed when it is built)."""
+
+    def prefill(self, req, max_tokens: int | None = None) -> torch.Tensor | None: ...
+
+    def step(self, reqs: list, sampling: BatchSampling | None) -> StepOutput: ...
+
+    def release(self, req) -> None: ...
+
+
+def finish_step(res: VerifyResult, t0: float, t1: float) -> StepOutput:
+    """One read-back of the verifier's result for the whole batch, split per request."""
+    keep = (res.num_accepted + 1).tolist()
+    rows = res.tokens.tolist()
+    return StepOutput([row[:k] for row, k in zip(rows, keep)], t1 - t0, time.perf_counter() - t1)
 
 
 def propose(draft, hidden: torch.Tensor, anchors: torch.Tensor, lm_head_weight: torch.Tensor,

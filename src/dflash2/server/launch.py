@@ -1,7 +1,6 @@
 """``dflash2 serve``: flags named and meaning as in SGLang (spec section 6)."""
 from __future__ import annotations
 
-import argparse
 import logging
 
 
