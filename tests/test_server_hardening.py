@@ -273,7 +273,7 @@ def app_client(models, monkeypatch):
 
 def test_a_stream_that_fails_ends_with_an_error_event(app_client, monkeypatch):
     client, eng = app_client
-    real, calls = eng.runner.verify, {"n": 0}
+    real, calls = eng.runner.step, {"n": 0}
 
     def flaky(*a, **k):
         calls["n"] += 1
@@ -281,7 +281,7 @@ def test_a_stream_that_fails_ends_with_an_error_event(app_client, monkeypatch):
             raise RuntimeError("device fell over")
         return real(*a, **k)
 
-    monkeypatch.setattr(eng.runner, "verify", flaky)
+    monkeypatch.setattr(eng.runner, "step", flaky)
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                        ("/v1/completions", {"prompt": "hi"}), ("/generate", {"text": "hi"})):
         calls["n"] = 0
@@ -300,7 +300,7 @@ def test_a_stream_that_fails_ends_with_an_error_event(app_client, monkeypatch):
     calls["n"] = 0
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 40, "ignore_eos": True})
     assert r.status_code == 500 and "device fell over" in r.json()["error"]["message"]
-    monkeypatch.setattr(eng.runner, "verify", real)
+    monkeypatch.setattr(eng.runner, "step", real)
     assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200
     assert client.get("/health").status_code == 200
     eng.shutdown()

@@ -269,7 +269,8 @@ class LLMEngine:
     def _prefill_some(self) -> None:
         """Up to ``chunked_prefill_size`` prompt tokens, oldest admitted first; a request whose prompt
         is all in gets its first token."""
-        budget = self.cfg.chunked_prefill_size if self.cfg.chunked_prefill_size > 0 else None
+        size = self.cfg.chunked_prefill_size or -1
+        budget = size if size > 0 else None
         while self.prefilling and (budget is None or budget > 0):
             req = self.prefilling[0]
             n = len(prefill_ids(req)) - req.prefill_pos

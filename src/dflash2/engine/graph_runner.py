@@ -80,7 +80,7 @@ class GraphModelRunner:
             self.ctx_pos = torch.arange(max_len, **lng)[None]
             self.ctx_valid = torch.ones(1, max_len, dtype=torch.bool, device=dev)  # k < anchor decides
         self.pool = torch.cuda.graph_pool_handle() if self.use_graph else None
-        self.graphs: dict[tuple[str, int], tuple[Replay, dict]] = {}
+        self.graphs: dict[tuple[str, int, bool, int], tuple[Replay, dict]] = {}  # (kind, B, greedy, kv_len)
         # Capture every bucket now, largest first so smaller ones reuse its memory (a capture inside a
         # step would cost that step ~0.1 s); the idle slots the warm-up calls write into are
         # overwritten by each request's prefill.
@@ -183,6 +183,7 @@ class GraphModelRunner:
             req.slot = len(self.occupant)
             self.occupant.append(req)
         s = req.slot
+        assert s is not None
         self.start[s] = len(ids)
         chunk = ids[p: p + (max_tokens or len(ids))]
         logits, feats = self.static.forward(torch.tensor(chunk, device=dev),

@@ -23,6 +23,14 @@ from .request import Request, prefill_ids
 from .steps import BatchSampling, StepOutput
 
 
+def layer_kv(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[B, h, T, d]`` of a plain attention cache layer (the only kind the paged pool holds)."""
+    k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if k is None or v is None:
+        raise TypeError(f"{type(layer).__name__} is not a plain K/V cache layer")
+    return k, v
+
+
 class ModelRunner:
     def __init__(self, target: TargetModel, draft, block_manager: BlockManager, width: int = 1,
                  block_verification: bool = False):
@@ -38,7 +46,7 @@ class ModelRunner:
             return
         bs = self.bm.block_size
         for layer in cache.layers:
-            k, v = layer.keys, layer.values  # [1, h, T, d]
+            k, v = layer_kv(layer)  # [1, h, T, d]
             self.k_pool.append(torch.zeros(self.bm.num_blocks, k.shape[1], bs, k.shape[3], dtype=k.dtype, device=k.device))
             self.v_pool.append(torch.zeros(self.bm.num_blocks, v.shape[1], bs, v.shape[3], dtype=v.dtype, device=v.device))
 
@@ -78,7 +86,7 @@ class ModelRunner:
             return None
         if self.paged:
             self._ensure_pool(state.cache)
-            self._write(req, [(layer.keys[0], layer.values[0]) for layer in state.cache.layers], 0)
+            self._write(req, [(k[0], v[0]) for k, v in map(layer_kv, state.cache.layers)], 0)
             req.target_state = None
         req.num_committed = len(ids)
         return logits[-1]
@@ -133,14 +141,14 @@ class ModelRunner:
         out = t.model(input_ids=blocks.to(t.device), attention_mask=mask, position_ids=pos, use_cache=True,
                       **{t._cache_kw: cache})
         feats = torch.cat([t._captured[i] for i in t.layer_ids], -1) if t.layer_ids else torch.empty(B, k, 0)
-        new_kv = [(layer.keys[:, :, L:], layer.values[:, :, L:]) for layer in cache.layers]
+        new_kv = [(k[:, :, L:], v[:, :, L:]) for k, v in map(layer_kv, cache.layers)]
         return out.logits.float(), feats, new_kv
 
     def _commit(self, reqs: list[Request], new_kv, feats: torch.Tensor, keep: list[int]) -> None:
         """Keep the first ``keep[b]`` verified rows of each request: their K/V, and their target
         features in the draft context."""
         starts = [r.num_committed for r in reqs]
-        if self.paged and sum(keep):
+        if self.paged and any(keep):
             dev = self.k_pool[0].device
             dst = [self._slots(r, r.num_committed, n) for r, n in zip(reqs, keep)]
             blk, off = torch.cat([b for b, _ in dst]).to(dev), torch.cat([o for _, o in dst]).to(dev)

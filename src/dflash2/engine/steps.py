@@ -86,6 +86,9 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, q_draft: torch.Tensor | N
     token-level or block verification against the processed ``p_target``."""
     if sampling is None:
         return greedy_verify(drafts, logits)
-    p_target = probs_from_logits(logits, *sampling.params(), capturable=capturable)
+    if q_draft is None:
+        raise ValueError("a sampled batch needs q_draft")
+    temperature, top_k, top_p, min_p = sampling.params()
+    p_target = probs_from_logits(logits, temperature, top_k, top_p, min_p, capturable=capturable)
     verify = block_verify if block else token_level_verify
     return verify(drafts, q_draft, p_target, sampling.accept_u, sampling.emit_u)
