@@ -137,12 +137,9 @@ class ModelRunner:
         lens_t = torch.tensor(lens, device=t.device)
         mask = (torch.arange(L + k, device=t.device) >= (L - lens_t)[:, None]).long()  # left padding off
         pos = lens_t[:, None] + torch.arange(k, device=t.device)
-        t._captured.clear()
-        out = t.model(input_ids=blocks.to(t.device), attention_mask=mask, position_ids=pos, use_cache=True,
-                      **{t._cache_kw: cache})
-        feats = torch.cat([t._captured[i] for i in t.layer_ids], -1) if t.layer_ids else torch.empty(B, k, 0)
+        logits, feats = t.batched_forward(blocks, mask, pos, cache)
         new_kv = [(k[:, :, L:], v[:, :, L:]) for k, v in map(layer_kv, cache.layers)]
-        return out.logits.float(), feats, new_kv
+        return logits.float(), feats, new_kv
 
     def _commit(self, reqs: list[Request], new_kv, feats: torch.Tensor, keep: list[int]) -> None:
         """Keep the first ``keep[b]`` verified rows of each request: their K/V, and their target

@@ -161,6 +161,21 @@ class TargetModel:
         state.length += L
         return out.logits[0].float(), feats
 
+    @torch.no_grad()
+    def batched_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                        position_ids: torch.Tensor | None = None, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One Hugging Face forward over ``input_ids [B, L]`` (with an optional cache that it extends,
+        and a padding mask): logits ``[B, L, V]`` (in the model's dtype) and the hooked features ``[B, L, K*H]``
+        (``[B, L, 0]`` with no layer ids). The paged runner's verify and the trainer's teacher use it."""
+        self._captured.clear()
+        kw = {self._cache_kw: cache, "use_cache": True} if cache is not None else {"use_cache": False}
+        out = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask, position_ids=position_ids,
+                         **kw)
+        B, L = input_ids.shape
+        feats = torch.cat([self._captured[i] for i in self.layer_ids], -1) if self.layer_ids else \
+            torch.empty(B, L, 0, device=self.device)
+        return out.logits, feats
+
     def _keep_kw(self, n: int) -> dict:
         return {"logits_to_keep": n} if n and self._accepts_keep else {}
 

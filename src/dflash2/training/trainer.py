@@ -138,16 +138,14 @@ def train(tc: TrainConfig, target=None) -> dict:
         ids, loss_mask, valid = data.batch(batch, tc.max_len, pad)
         ids, loss_mask, valid = ids.to(device), loss_mask.to(device), valid.to(device)
         with torch.no_grad():
-            target._captured.clear()
-            tout = target.model(input_ids=ids, attention_mask=valid.long(), use_cache=False)
-            feats = torch.cat([target._captured[i] for i in target.layer_ids], -1)
+            t_logits, feats = target.batched_forward(ids, valid.long())
         blocks = sample_blocks(ids, loss_mask, tc.anchors_per_seq, width, cfg.mask_token_id, tc.gamma)
         tgt_logits = None
         if tc.kl_weight > 0 or tc.selector_kl_weight > 0:  # row t of the target's logits predicts token t+1: slot k's label sits at a+k
             rows = (blocks.positions[..., :-1]).clamp(max=ids.shape[1] - 1).flatten(1)
-            tgt_logits = tout.logits[torch.arange(ids.shape[0], device=device)[:, None], rows]
+            tgt_logits = t_logits[torch.arange(ids.shape[0], device=device)[:, None], rows]
             tgt_logits = tgt_logits.view(*blocks.labels.shape, -1)
-        del tout
+        del t_logits
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tc.steps, tc.warmup, tc.lr, tc.min_lr_ratio)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
