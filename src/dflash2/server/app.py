@@ -12,8 +12,10 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import APIRouter, FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -115,304 +117,354 @@ class Detokenizer:
         return out
 
 
+@dataclass
+class ServerState:
+    """What every endpoint reads: the engine, the tokenizer (used on one worker thread, off the
+    event loop) and the served model's name, context and output parsers."""
+    engine: LLMEngine
+    tokenizer: Any
+    model_name: str
+    context_length: int
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    tok_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash2-tokenize"))
+
+    @property
+    def skip_special(self) -> bool:  # Kimi-K2's tool-call section markers are special tokens
+        return self.tool_call_parser != "kimi_k2"
+
+    async def off_loop(self, fn, *args, **kw):
+        return await asyncio.get_running_loop().run_in_executor(self.tok_pool, lambda: fn(*args, **kw))
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        try:
+            return list((await self.off_loop(self.tokenizer, text))["input_ids"])
+        except Exception as e:
+            raise APIError(400, f"{param} could not be tokenized: {type(e).__name__}: {e}", param=param) from None
+
+    async def final_text(self, req: Request, skip: bool = True) -> str:
+        return trim_stop(await self.off_loop(self.tokenizer.decode, req.output_ids, skip_special_tokens=skip), req)
+
+
+router = APIRouter()
+
+
+def state_of(http: HTTPRequest) -> ServerState:
+    return http.app.state.dflash2
+
+
 def create_app(engine: LLMEngine, tokenizer, model_name: str, context_length: int,
                reasoning_parser: str | None = None, tool_call_parser: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="dflash2")
+    app.state.dflash2 = ServerState(engine, tokenizer, model_name, context_length, reasoning_parser, tool_call_parser)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    # one worker: the tokenizer off the event loop, never used by two requests at once
-    tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash2-tokenize")
-    skip_special = tool_call_parser != "kimi_k2"
-
-    async def off_loop(fn, *args, **kw):
-        return await asyncio.get_running_loop().run_in_executor(tok_pool, lambda: fn(*args, **kw))
-
-    @app.exception_handler(APIError)
-    async def _api_error(_req, e: APIError):
-        return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_req, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        return JSONResponse(error_body(msg + (f" ({loc})" if loc else ""), "invalid_request_error", loc),
-                            status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_req, e: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
-        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(e.detail), kind, None, code), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal(_req, e: Exception):
-        log.exception("request failed")
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
-
-    # ---- helpers -------------------------------------------------------------------------
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in (model_name, "default"):
-            raise APIError(404, f"The model '{name}' does not exist", "invalid_request_error", "model", "model_not_found")
-
-    def make_request(prompt_ids: list[int], max_tokens: int | None, body, param: str = "prompt") -> Request:
-        if not prompt_ids:
-            raise APIError(400, "the prompt is empty", param=param)
-        if len(prompt_ids) >= context_length:
-            raise APIError(400, f"This model's maximum context length is {context_length} tokens; the prompt has "
-                                f"{len(prompt_ids)} tokens", param=param, code="context_length_exceeded")
-        budget = context_length - len(prompt_ids)
-        max_new = max_tokens if max_tokens is not None else budget
-        if max_new > budget:
-            raise APIError(400, f"max_tokens={max_new} plus the prompt's {len(prompt_ids)} tokens exceeds the "
-                                f"context length {context_length}", param="max_tokens", code="context_length_exceeded")
-        try:
-            sp = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                                max_new_tokens=max_new, seed=body.effective_seed,
-                                stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        return Request(list(prompt_ids), sp, stop_strings=body.stop_strings())
-
-    async def encode(text: str, param: str) -> list[int]:
-        try:
-            return list((await off_loop(tokenizer, text))["input_ids"])
-        except Exception as e:
-            raise APIError(400, f"{param} could not be tokenized: {type(e).__name__}: {e}", param=param) from None
-
-    async def submit(req: Request) -> asyncio.Queue:
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-
-        def on_update(r: Request, new: list[int]) -> None:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(queue.put_nowait, r.finished)
-
-        req.on_update = on_update
-        try:
-            engine.add_request(req)
-        except RequestError as e:
-            raise APIError(400, str(e), param=e.param, code=e.code) from None
-        return queue
-
-    def usage(req: Request) -> dict:
-        return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
-                "total_tokens": len(req.prompt_ids) + len(req.output_ids), "spec_verify_ct": req.verify_steps,
-                "spec_accept_length": round(req.accept_length, 4)}
-
-    async def updates(req: Request, http: HTTPRequest):
-        """Yield ``finished`` after engine updates; abort the request if the client goes away (checked
-        every DISCONNECT_POLL_S, also while tokens keep coming)."""
-        queue = await submit(req)
-        last_check = time.monotonic()
-        try:
-            while True:
-                try:
-                    done = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
-                    while not done and not queue.empty():  # coalesce what piled up
-                        done = queue.get_nowait()
-                except asyncio.TimeoutError:
-                    done = None
-                if time.monotonic() - last_check >= DISCONNECT_POLL_S or done is None:
-                    last_check = time.monotonic()
-                    if await http.is_disconnected():
-                        return
-                if done is None:
-                    continue
-                yield done
-                if done:
-                    return
-        finally:
-            if not req.finished:
-                engine.abort(req.request_id)  # frees its KV at the next step
-
-    async def run_to_end(req: Request, http: HTTPRequest) -> Request:
-        async for _ in updates(req, http):
-            pass
-        if not req.finished:
-            raise APIError(499, "client disconnected")
-        if req.finish_reason == "error":
-            raise APIError(500, f"generation failed: {req.error}", "server_error")
-        return req
-
-    async def stream_tokens(req: Request, http: HTTPRequest, skip: bool = True):
-        """Yield (text delta, finished) until the request ends."""
-        detok = Detokenizer(tokenizer, skip_special=skip)
-        async for done in updates(req, http):
-            yield detok.delta(req, final=done), done
-
-    def finish_reason(req: Request, tool_calls: bool = False) -> str:
-        if tool_calls:
-            return "tool_calls"
-        return {"length": "length", "abort": "abort", "error": "error"}.get(req.finish_reason or "", "stop")
-
-    def error_event(req: Request) -> str:
-        """The last event of a stream that failed (as vLLM sends it), instead of a finish chunk."""
-        body = error_body(f"generation failed: {req.error}", "server_error", None, 500)
-        return f"data: {json.dumps(body)}\n\n"
-
-    async def final_text(req: Request, skip: bool = True) -> str:
-        return trim_stop(await off_loop(tokenizer.decode, req.output_ids, skip_special_tokens=skip), req)
-
-    # ---- endpoints -----------------------------------------------------------------------
-    @app.get("/health")
-    async def health():
-        problem = engine.health()
-        if problem:
-            return JSONResponse({"status": "error", "message": problem}, status_code=503)
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "dflash2",
-                                            "max_model_len": context_length}]}
-
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(render_metrics(engine), media_type="text/plain; version=0.0.4")
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, http: HTTPRequest):
-        check_model(body.model)
-        use_tools = body.tool_choice != "none"
-        try:
-            ids = await off_loop(tokenizer.apply_chat_template, body.messages, tools=body.tools if use_tools else None,
-                                 add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        except Exception as e:
-            raise APIError(400, f"messages could not be rendered with the chat template: {e}", param="messages") from None
-        parser = tool_call_parser if use_tools else None
-        req = make_request(ids, body.max_completion_tokens or body.max_tokens, body, "messages")
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if not body.stream:
-            await run_to_end(req, http)
-            text = await final_text(req, skip_special)
-            msg: dict = {"role": "assistant"}
-            if reasoning_parser:
-                msg["reasoning_content"], text = ReasoningParser.split(text)
-            calls = []
-            if parser:
-                text, calls = ToolCallParser.parse(parser, text)
-                if calls:
-                    msg["tool_calls"] = calls
-            msg["content"] = text
-            return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason(req, bool(calls))}],
-                    "usage": usage(req)}
-
-        async def events():
-            rp = ReasoningParser() if reasoning_parser else None
-            tp = ToolCallParser(parser) if parser else None
-            n_calls = 0
-
-            def chunk(delta: dict, finish=None, use=None):
-                d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-                if use:
-                    d["usage"] = use
-                return f"data: {json.dumps(d)}\n\n"
-
-            def call_chunks(calls):
-                nonlocal n_calls
-                for call in calls:
-                    yield chunk({"tool_calls": [{"index": n_calls, **call}]})
-                    n_calls += 1
-
-            yield chunk({"role": "assistant", "content": ""})
-            async for delta, done in stream_tokens(req, http, skip_special):
-                if done and req.finish_reason == "error":
-                    yield error_event(req)
-                    break
-                parts = [(None, delta)]
-                if rp:
-                    r, c = rp.feed(delta)
-                    if done:
-                        r2, c2 = rp.flush()
-                        r, c = r + r2, c + c2
-                    parts = [("reasoning_content", r), (None, c)]
-                for key, text in parts:
-                    if not text:
-                        continue
-                    if key:
-                        yield chunk({key: text})
-                        continue
-                    if tp:
-                        text, calls = tp.feed(text)
-                        for c in call_chunks(calls):
-                            yield c
-                    if text:
-                        yield chunk({"content": text})
-                if done:
-                    if tp:
-                        rest, calls = tp.flush()
-                        if rest:
-                            yield chunk({"content": rest})
-                        for c in call_chunks(calls):
-                            yield c
-                    yield chunk({}, finish_reason(req, n_calls > 0), usage(req))
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: HTTPRequest):
-        check_model(body.model)
-        ids = list(body.prompt) if isinstance(body.prompt, list) else await encode(body.prompt, "prompt")
-        req = make_request(ids, body.max_tokens, body)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        if not body.stream:
-            await run_to_end(req, http)
-            text = await final_text(req)
-            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish_reason(req), "logprobs": None}],
-                    "usage": usage(req)}
-
-        async def events():
-            async for delta, done in stream_tokens(req, http):
-                if done and req.finish_reason == "error":
-                    yield error_event(req)
-                    break
-                if delta or done:
-                    d = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                         "choices": [{"index": 0, "text": delta, "finish_reason": finish_reason(req) if done else None}]}
-                    if done:
-                        d["usage"] = usage(req)
-                    yield f"data: {json.dumps(d)}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    @app.post("/generate")
-    async def generate(body: GenerateRequest, http: HTTPRequest):
-        if (body.input_ids is None) == (body.text is None):
-            raise APIError(400, "give exactly one of text or input_ids", param="text")
-        ids = body.input_ids if body.input_ids is not None else await encode(body.text, "text")
-        sp = body.sampling_params
-        req = make_request(ids, sp.max_new_tokens, sp, "input_ids" if body.input_ids is not None else "text")
-        rid = body.rid or uuid.uuid4().hex
-        t0 = time.perf_counter()
-
-        def meta() -> dict:
-            return {"id": rid, "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
-                    "spec_verify_ct": req.verify_steps, "spec_accept_length": req.accept_length,
-                    "spec_accept_histogram": req.accept_hist,
-                    "finish_reason": {"type": finish_reason(req)} if req.finished else None,
-                    "e2e_latency": time.perf_counter() - t0}
-
-        if not body.stream:
-            await run_to_end(req, http)
-            return {"text": await final_text(req), "output_ids": req.output_ids, "meta_info": meta()}
-
-        async def events():
-            text = ""
-            async for delta, done in stream_tokens(req, http):
-                if done and req.finish_reason == "error":
-                    yield error_event(req)
-                    break
-                text += delta
-                yield f"data: {json.dumps({'text': text, 'output_ids': req.output_ids, 'meta_info': meta()})}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal)
+    app.include_router(router)
     return app
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+async def _api_error(_req, e: Exception):
+    assert isinstance(e, APIError)
+    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+
+
+async def _validation(_req, e: Exception):
+    assert isinstance(e, RequestValidationError)
+    errs = e.errors()
+    first = errs[0] if errs else {}
+    loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    return JSONResponse(error_body(msg + (f" ({loc})" if loc else ""), "invalid_request_error", loc), status_code=400)
+
+
+async def _http_error(_req, e: Exception):
+    assert isinstance(e, StarletteHTTPException)
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
+    kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+    return JSONResponse(error_body(str(e.detail), kind, None, code), status_code=e.status_code)
+
+
+async def _internal(_req, e: Exception):
+    log.exception("request failed")
+    return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
+
+
+# ---- requests in the engine ---------------------------------------------------------------------------
+def check_model(st: ServerState, name: str | None) -> None:
+    if name is not None and name not in (st.model_name, "default"):
+        raise APIError(404, f"The model '{name}' does not exist", "invalid_request_error", "model", "model_not_found")
+
+
+def make_request(st: ServerState, prompt_ids: list[int], max_tokens: int | None, body, param: str = "prompt") -> Request:
+    ctx = st.context_length
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty", param=param)
+    if len(prompt_ids) >= ctx:
+        raise APIError(400, f"This model's maximum context length is {ctx} tokens; the prompt has "
+                            f"{len(prompt_ids)} tokens", param=param, code="context_length_exceeded")
+    budget = ctx - len(prompt_ids)
+    max_new = max_tokens if max_tokens is not None else budget
+    if max_new > budget:
+        raise APIError(400, f"max_tokens={max_new} plus the prompt's {len(prompt_ids)} tokens exceeds the "
+                            f"context length {ctx}", param="max_tokens", code="context_length_exceeded")
+    try:
+        sp = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                            max_new_tokens=max_new, seed=body.effective_seed,
+                            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    return Request(list(prompt_ids), sp, stop_strings=body.stop_strings())
+
+
+async def submit(st: ServerState, req: Request) -> asyncio.Queue[bool]:
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue[bool]()
+
+    def on_update(r: Request, new: list[int]) -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(queue.put_nowait, r.finished)
+
+    req.on_update = on_update
+    try:
+        st.engine.add_request(req)
+    except RequestError as e:
+        raise APIError(400, str(e), param=e.param, code=e.code) from None
+    return queue
+
+
+async def updates(st: ServerState, req: Request, http: HTTPRequest):
+    """Yield ``finished`` after engine updates; abort the request if the client goes away (checked
+    every DISCONNECT_POLL_S, also while tokens keep coming)."""
+    queue = await submit(st, req)
+    last_check = time.monotonic()
+    try:
+        while True:
+            try:
+                done = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
+                while not done and not queue.empty():  # coalesce what piled up
+                    done = queue.get_nowait()
+            except asyncio.TimeoutError:
+                done = None
+            if time.monotonic() - last_check >= DISCONNECT_POLL_S or done is None:
+                last_check = time.monotonic()
+                if await http.is_disconnected():
+                    return
+            if done is None:
+                continue
+            yield done
+            if done:
+                return
+    finally:
+        if not req.finished:
+            st.engine.abort(req.request_id)  # frees its KV at the next step
+
+
+async def run_to_end(st: ServerState, req: Request, http: HTTPRequest) -> Request:
+    async for _ in updates(st, req, http):
+        pass
+    if not req.finished:
+        raise APIError(499, "client disconnected")
+    if req.finish_reason == "error":
+        raise APIError(500, f"generation failed: {req.error}", "server_error")
+    return req
+
+
+async def stream_tokens(st: ServerState, req: Request, http: HTTPRequest, skip: bool = True):
+    """Yield (text delta, finished) until the request ends."""
+    detok = Detokenizer(st.tokenizer, skip_special=skip)
+    async for done in updates(st, req, http):
+        yield detok.delta(req, final=done), done
+
+
+def usage(req: Request) -> dict:
+    return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
+            "total_tokens": len(req.prompt_ids) + len(req.output_ids), "spec_verify_ct": req.verify_steps,
+            "spec_accept_length": round(req.accept_length, 4)}
+
+
+def finish_reason(req: Request, tool_calls: bool = False) -> str:
+    if tool_calls:
+        return "tool_calls"
+    return {"length": "length", "abort": "abort", "error": "error"}.get(req.finish_reason or "", "stop")
+
+
+def error_event(req: Request) -> str:
+    """The last event of a stream that failed (as vLLM sends it), instead of a finish chunk."""
+    body = error_body(f"generation failed: {req.error}", "server_error", None, 500)
+    return f"data: {json.dumps(body)}\n\n"
+
+
+# ---- endpoints --------------------------------------------------------------------------------------
+@router.get("/health")
+async def health(http: HTTPRequest):
+    problem = state_of(http).engine.health()
+    if problem:
+        return JSONResponse({"status": "error", "message": problem}, status_code=503)
+    return {"status": "ok"}
+
+
+@router.get("/v1/models")
+async def models(http: HTTPRequest):
+    st = state_of(http)
+    return {"object": "list", "data": [{"id": st.model_name, "object": "model", "created": 0, "owned_by": "dflash2",
+                                        "max_model_len": st.context_length}]}
+
+
+@router.get("/metrics")
+async def metrics(http: HTTPRequest):
+    return PlainTextResponse(render_metrics(state_of(http).engine), media_type="text/plain; version=0.0.4")
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, http: HTTPRequest):
+    st = state_of(http)
+    check_model(st, body.model)
+    use_tools = body.tool_choice != "none"
+    try:
+        ids = await st.off_loop(st.tokenizer.apply_chat_template, body.messages, tools=body.tools if use_tools else None,
+                                add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    except Exception as e:
+        raise APIError(400, f"messages could not be rendered with the chat template: {e}", param="messages") from None
+    parser = st.tool_call_parser if use_tools else None
+    req = make_request(st, ids, body.max_completion_tokens or body.max_tokens, body, "messages")
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    if not body.stream:
+        await run_to_end(st, req, http)
+        text = await st.final_text(req, st.skip_special)
+        msg: dict = {"role": "assistant"}
+        if st.reasoning_parser:
+            msg["reasoning_content"], text = ReasoningParser.split(text)
+        calls: list[dict] = []
+        if parser:
+            text, calls = ToolCallParser.parse(parser, text)
+            if calls:
+                msg["tool_calls"] = calls
+        msg["content"] = text
+        return {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
+                "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason(req, bool(calls))}],
+                "usage": usage(req)}
+    return StreamingResponse(chat_events(st, req, http, rid, created, parser), media_type="text/event-stream")
+
+
+async def chat_events(st: ServerState, req: Request, http: HTTPRequest, rid: str, created: int, parser: str | None):
+    rp = ReasoningParser() if st.reasoning_parser else None
+    tp = ToolCallParser(parser) if parser else None
+    n_calls = 0
+
+    def chunk(delta: dict, finish=None, use=None):
+        d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
+             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        if use:
+            d["usage"] = use
+        return f"data: {json.dumps(d)}\n\n"
+
+    def call_chunks(calls):
+        nonlocal n_calls
+        for call in calls:
+            yield chunk({"tool_calls": [{"index": n_calls, **call}]})
+            n_calls += 1
+
+    yield chunk({"role": "assistant", "content": ""})
+    async for delta, done in stream_tokens(st, req, http, st.skip_special):
+        if done and req.finish_reason == "error":
+            yield error_event(req)
+            break
+        parts: list[tuple[str | None, str]] = [(None, delta)]
+        if rp:
+            r, c = rp.feed(delta)
+            if done:
+                r2, c2 = rp.flush()
+                r, c = r + r2, c + c2
+            parts = [("reasoning_content", r), (None, c)]
+        for key, text in parts:
+            if not text:
+                continue
+            if key:
+                yield chunk({key: text})
+                continue
+            if tp:
+                text, calls = tp.feed(text)
+                for c in call_chunks(calls):
+                    yield c
+            if text:
+                yield chunk({"content": text})
+        if done:
+            if tp:
+                rest, calls = tp.flush()
+                if rest:
+                    yield chunk({"content": rest})
+                for c in call_chunks(calls):
+                    yield c
+            yield chunk({}, finish_reason(req, n_calls > 0), usage(req))
+    yield "data: [DONE]\n\n"
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, http: HTTPRequest):
+    st = state_of(http)
+    check_model(st, body.model)
+    ids = list(body.prompt) if isinstance(body.prompt, list) else await st.encode(body.prompt, "prompt")
+    req = make_request(st, ids, body.max_tokens, body)
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    if not body.stream:
+        await run_to_end(st, req, http)
+        text = await st.final_text(req)
+        return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+                "choices": [{"index": 0, "text": text, "finish_reason": finish_reason(req), "logprobs": None}],
+                "usage": usage(req)}
+
+    async def events():
+        async for delta, done in stream_tokens(st, req, http):
+            if done and req.finish_reason == "error":
+                yield error_event(req)
+                break
+            if delta or done:
+                d = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+                     "choices": [{"index": 0, "text": delta, "finish_reason": finish_reason(req) if done else None}]}
+                if done:
+                    d["usage"] = usage(req)
+                yield f"data: {json.dumps(d)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, http: HTTPRequest):
+    st = state_of(http)
+    if (body.input_ids is None) == (body.text is None):
+        raise APIError(400, "give exactly one of text or input_ids", param="text")
+    ids = body.input_ids if body.input_ids is not None else await st.encode(body.text or "", "text")
+    sp = body.sampling_params
+    req = make_request(st, ids, sp.max_new_tokens, sp, "input_ids" if body.input_ids is not None else "text")
+    rid = body.rid or uuid.uuid4().hex
+    t0 = time.perf_counter()
+
+    def meta() -> dict:
+        return {"id": rid, "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
+                "spec_verify_ct": req.verify_steps, "spec_accept_length": req.accept_length,
+                "spec_accept_histogram": req.accept_hist,
+                "finish_reason": {"type": finish_reason(req)} if req.finished else None,
+                "e2e_latency": time.perf_counter() - t0}
+
+    if not body.stream:
+        await run_to_end(st, req, http)
+        return {"text": await st.final_text(req), "output_ids": req.output_ids, "meta_info": meta()}
+
+    async def events():
+        text = ""
+        async for delta, done in stream_tokens(st, req, http):
+            if done and req.finish_reason == "error":
+                yield error_event(req)
+                break
+            text += delta
+            yield f"data: {json.dumps({'text': text, 'output_ids': req.output_ids, 'meta_info': meta()})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -81,7 +81,7 @@ class ToolCallParser:
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
         self.buf += delta
-        content, calls = "", []
+        content, calls = "", list[dict]()
         if not self.in_calls:
             i = self.buf.find(self.start)
             if i < 0:

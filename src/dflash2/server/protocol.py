@@ -162,7 +162,7 @@ class GenerateSampling(_Sampling):
 class GenerateRequest(_Base):
     text: str | None = None
     input_ids: list[int] | None = None
-    sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
+    sampling_params: GenerateSampling = Field(default_factory=lambda: GenerateSampling())
     stream: bool = False
     rid: str | None = None
     return_logprob: bool | None = None
