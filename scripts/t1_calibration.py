@@ -26,7 +26,7 @@ from dflash2.model.checkpoint import load_draft
 from dflash2.model.token_map import DEFAULT_NAME, load_token_map
 from dflash2.target.loading import load_target
 from dflash2.training.data import gsm8k_prompts, render
-from dflash2.verification.logits import probs_from_logits
+from dflash2.sampling import probs_from_logits
 
 ap = argparse.ArgumentParser()
 ap.add_argument("seqs"); ap.add_argument("draft", nargs="?", default=str(DEFAULT_DRAFT))

@@ -207,7 +207,7 @@ def test_selector_greedy_is_argmax_path(seed):
 def test_selector_sampled_q_is_softmax_of_pair_scores(seed):
     """Each returned q row is the processed softmax of S_t(prev, .) for the predecessor the walk
     actually took; a temperature-0 row in the same batch stays on its greedy path with one-hot q."""
-    from dflash2.verification.logits import probs_from_logits
+    from dflash2.sampling import probs_from_logits
     cfg = tiny_config()
     sel, logits, hidden, anchor = _selector_inputs(cfg)
     temp, top_p = torch.tensor([0.8, 0.0, 1.3]), torch.tensor([0.9, 1.0, 1.0])

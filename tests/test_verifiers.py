@@ -159,7 +159,7 @@ def test_sample_from_probs_never_picks_zero_mass(seed):
 def test_truncation_from_the_top_entries_equals_the_full_sort(monkeypatch, fast_top):
     """probs_from_logits truncates from each row's top entries when that is exact, and sorts the
     rest fully; both must give the full-sort result (ties included: coarse logits)."""
-    import dflash2.verification.logits as lg
+    import dflash2.sampling as lg
     g = torch.Generator().manual_seed(fast_top)
     V = 64
     logits = torch.cat([torch.randn(40, V, generator=g) * s for s in (0.3, 1.0, 4.0)])

@@ -8,7 +8,7 @@ import torch
 
 from ..model import DFlash2DraftModel
 from ..model.context_cache import DraftContextCache, draft_block
-from ..verification.logits import SamplingParams
+from ..sampling import SamplingParams
 
 
 class Proposer(Protocol):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..verification.logits import probs_from_logits, sample_from_probs
+from ..sampling import probs_from_logits, sample_from_probs
 
 
 @dataclass

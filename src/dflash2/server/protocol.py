@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..verification.logits import MAX_TEMPERATURE, MAX_TOP_K, SEED_RANGE
+from ..sampling import MAX_TEMPERATURE, MAX_TOP_K, SEED_RANGE
 
 MAX_STOP_STRINGS = 64
 MAX_TOKENS = 2**31 - 1  # an int64 larger than any context; keeps arithmetic on it in range

@@ -1,4 +1,4 @@
-from .logits import SamplingParams, probs_from_logits, sample_from_probs
+from ..sampling import SamplingParams, probs_from_logits, sample_from_probs
 from .verifiers import VerifyResult, block_verify, greedy_verify, token_level_verify
 
 __all__ = ["SamplingParams", "probs_from_logits", "sample_from_probs", "VerifyResult",

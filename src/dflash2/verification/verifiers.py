@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .logits import sample_from_probs
+from ..sampling import sample_from_probs
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Logits processing shared by target and draft rows, with SGLang/vLLM semantics.
+"""Sampling values and the logits processing shared by target and draft rows (SGLang/vLLM semantics);
+its own module, so the draft model needs nothing of ``verification/``.
 
 ``probs = softmax(logits / T)``; then top-k, top-p and min-p masks are all computed on those
 same probabilities (so top-k and top-p commute, as in SGLang), and the survivors renormalised.
