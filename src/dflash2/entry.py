@@ -10,8 +10,27 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DRAFT = REPO / "models" / "smollm2-135m-dflash2"
 
 
+DTYPE_ALIASES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32",
+                 "float": "float32", "fp32": "float32"}
+
+
+def dtype_name(value: str) -> str:
+    """SGLang's and vLLM's dtype spellings; float16 is refused with the reason (a flag never means less)."""
+    if value in ("half", "float16", "fp16"):
+        raise argparse.ArgumentTypeError(f"{value}: float16 is not supported (bf16 keeps float32's range; the "
+                                         f"drafter's logits can overflow in fp16): use bfloat16")
+    if value not in DTYPE_ALIASES:
+        raise argparse.ArgumentTypeError(f"{value}: use auto, bfloat16 or float32")
+    return DTYPE_ALIASES[value]
+
+
+def resolve_device(name: str) -> str:
+    import torch
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
 def add_model_flags(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model-path", default=None, help="target: folder with config.json or a .gguf (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model-path", "--model", default=None, help="target: folder with config.json or a .gguf (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--speculative-algorithm", default="DFLASH", choices=["DFLASH", "NONE"])
     ap.add_argument("--speculative-draft-model-path", default=None, help=f"drafter folder (default: {DEFAULT_DRAFT.relative_to(REPO)})")
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None,
@@ -24,8 +43,9 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
                     help="w8a8_int8: the drafter's layers and head rows in int8 (CPU fp32 only; lossless, since "
                          "the target verifies: the draft step gets cheaper, acceptance moves a little); "
                          "auto (default): w8a8_int8 on the CPU in fp32, none elsewhere")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="auto", type=dtype_name,
+                    help="auto (bfloat16 on CUDA, float32 on the CPU), bfloat16 (bf16), float32 (float, fp32)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when there is a GPU")
     ap.add_argument("--trust-remote-code", action="store_true")
     ap.add_argument("--disable-cuda-graph", action="store_true",
                     help="on CUDA: run eagerly instead of replaying CUDA graphs over static buffers (batch 1: "
@@ -55,6 +75,7 @@ def load_models(args):
     from .model.token_map import load_token_map
     from .target.loading import load_target, resolve_dtype
 
+    args.device = resolve_device(args.device)
     draft, width = None, 1
     if args.speculative_algorithm == "DFLASH":
         path = Path(args.speculative_draft_model_path or DEFAULT_DRAFT)

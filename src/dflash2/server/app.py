@@ -7,6 +7,8 @@ that goes away aborts its request, and a request that fails mid-stream ends with
 from __future__ import annotations
 
 import asyncio
+import hmac
+import importlib.metadata
 import json
 import logging
 import time
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request as HTTPRequest
+from pydantic import BaseModel, ConfigDict
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -78,6 +81,27 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+class APIKey:
+    """ASGI middleware: every route but /health needs ``Authorization: Bearer <key>`` (SGLang's and
+    vLLM's ``--api-key``); a missing or wrong key is a 401 with an OpenAI-shaped body."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") == "/health" or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        got = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if hmac.compare_digest(got, self.expected):
+            return await self.app(scope, receive, send)
+        body = json.dumps(error_body("missing or wrong API key (Authorization: Bearer <key>)",
+                                     "invalid_request_error", None, "invalid_api_key")).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+
 def trim_stop(text: str, req: Request) -> str:
     for s in req.stop_strings:
         i = text.find(s)
@@ -127,6 +151,7 @@ class ServerState:
     context_length: int
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    server_args: dict = field(default_factory=dict)
     tok_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash2-tokenize"))
 
@@ -156,10 +181,14 @@ def state_of(http: HTTPRequest) -> ServerState:
 
 def create_app(engine: LLMEngine, tokenizer, model_name: str, context_length: int,
                reasoning_parser: str | None = None, tool_call_parser: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
+               server_args: dict | None = None) -> FastAPI:
     app = FastAPI(title="dflash2")
-    app.state.dflash2 = ServerState(engine, tokenizer, model_name, context_length, reasoning_parser, tool_call_parser)
+    app.state.dflash2 = ServerState(engine, tokenizer, model_name, context_length, reasoning_parser, tool_call_parser,
+                                    dict(server_args or {}))
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(APIKey, api_key=api_key)  # added last: runs first
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -315,6 +344,90 @@ async def models(http: HTTPRequest):
                                         "max_model_len": st.context_length}]}
 
 
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, http: HTTPRequest):
+    st = state_of(http)
+    check_model(st, model_id)
+    return {"id": st.model_name, "object": "model", "created": 0, "owned_by": "dflash2",
+            "max_model_len": st.context_length}
+
+
+@router.get("/version")
+async def version():
+    return {"version": package_version()}
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("dflash2")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@router.get("/get_model_info")
+async def model_info(http: HTTPRequest):
+    st = state_of(http)
+    path = st.server_args.get("model_path") or st.model_name
+    return {"model_path": path, "tokenizer_path": path, "is_generation": True,
+            "served_model_name": st.model_name}
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(http: HTTPRequest):
+    """The server's arguments and, as SGLang's ``bench_serving`` reads them, its internal states."""
+    st = state_of(http)
+    s = st.engine.stats
+    elapsed = max(time.perf_counter() - s.started, 1e-9)
+    return {**st.server_args, "version": package_version(), "served_model_name": st.model_name,
+            "context_length": st.context_length, "speculative_num_draft_tokens": st.engine.width,
+            "internal_states": [{"avg_spec_accept_length": s.generated_tokens / s.verify_steps if s.verify_steps
+                                 else 0.0, "last_gen_throughput": s.generated_tokens / elapsed}]}
+
+
+@router.get("/health_generate")
+async def health_generate(http: HTTPRequest):
+    """Healthy only if a one-token request goes through the engine within 60 s."""
+    st = state_of(http)
+    if st.engine.health():
+        return JSONResponse({"status": "error", "message": st.engine.health()}, status_code=503)
+    req = Request(await st.encode("Hi", "text"), SamplingParams(max_new_tokens=1, ignore_eos=True),
+                  request_id=f"health-{uuid.uuid4().hex}")
+    try:
+        await asyncio.wait_for(run_to_end(st, req, http), timeout=60)
+    except (asyncio.TimeoutError, APIError) as e:
+        st.engine.abort(req.request_id)
+        return JSONResponse({"status": "error", "message": f"generation did not complete: {e}"}, status_code=503)
+    return {"status": "ok"}
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache():
+    return PlainTextResponse("Cache flushed (there is no prefix cache: nothing to drop).\n")
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rid: str | None = None
+    abort_all: bool = False
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortRequest, http: HTTPRequest):
+    """Abort by request id (the ``rid`` of /generate, the response ``id`` of the OpenAI routes)."""
+    engine = state_of(http).engine
+    if body.abort_all:
+        with engine.lock:
+            ids = [r.request_id for r in list(engine.scheduler.running) + list(engine.scheduler.waiting)]
+    elif body.rid:
+        ids = [body.rid]
+    else:
+        raise APIError(400, "give rid or abort_all", param="rid")
+    for rid in ids:
+        engine.abort(rid)
+    return {"aborted": ids}
+
+
 @router.get("/metrics")
 async def metrics(http: HTTPRequest):
     return PlainTextResponse(render_metrics(state_of(http).engine), media_type="text/plain; version=0.0.4")
@@ -334,6 +447,7 @@ async def chat(body: ChatCompletionRequest, http: HTTPRequest):
     parser = st.tool_call_parser if use_tools else None
     req = make_request(st, ids, body.max_completion_tokens or body.max_tokens, body, "messages")
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    req.request_id = rid
     if not body.stream:
         await run_to_end(st, req, http)
         text = await st.final_text(req, st.skip_special)
@@ -412,6 +526,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     ids = list(body.prompt) if isinstance(body.prompt, list) else await st.encode(body.prompt, "prompt")
     req = make_request(st, ids, body.max_tokens, body)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    req.request_id = rid
     if not body.stream:
         await run_to_end(st, req, http)
         text = await st.final_text(req)
@@ -444,6 +559,7 @@ async def generate(body: GenerateRequest, http: HTTPRequest):
     sp = body.sampling_params
     req = make_request(st, ids, sp.max_new_tokens, sp, "input_ids" if body.input_ids is not None else "text")
     rid = body.rid or uuid.uuid4().hex
+    req.request_id = rid
     t0 = time.perf_counter()
 
     def meta() -> dict:

@@ -1,7 +1,10 @@
 """``dflash2 serve``: flags named and meaning as in SGLang (spec section 6)."""
 from __future__ import annotations
 
+import argparse
 import logging
+import re
+from pathlib import Path
 
 
 def add_serve_parser(sub) -> None:
@@ -11,7 +14,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--max-running-requests", type=int, default=16)
-    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--context-length", type=token_count, default=None, help="e.g. 4096, 32k (x1000), 128K (x1024)")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (CPU default 65536)")
     p.add_argument("--mem-fraction-static", type=float, default=0.8)
     p.add_argument("--page-size", type=int, default=16)
@@ -20,14 +23,53 @@ def add_serve_parser(sub) -> None:
                         "requests (-1: whole prompts; default 256 on the CPU, 2048 on CUDA)")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--speculative-draft-kv-cache-dtype", default="auto")
-    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--tp-size", "--tp", type=int, default=1)
     p.add_argument("--reasoning-parser", default=None)
     p.add_argument("--tool-call-parser", default=None)
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template (file or the template itself)")
+    p.add_argument("--random-seed", type=int, default=None, help="seeds the draws of requests that give no seed")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"])
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="graphs are captured for every batch up to --max-running-requests; a smaller value is refused")
+    # SGLang flags whose job has no counterpart here: accepted, and start-up says so in one line each
+    p.add_argument("--enable-metrics", action="store_true", help="/metrics is always on")
+    p.add_argument("--skip-server-warmup", action="store_true", help="there is no warm-up request to skip")
+    p.add_argument("--disable-radix-cache", action="store_true", help="there is no prefix cache to disable")
+    p.add_argument("--mamba-full-memory-ratio", type=float, default=None)
+    p.add_argument("--speculative-draft-attention-backend", default=None)
     p.add_argument("--model-runner", default="auto", choices=["auto", "paged", "static"],
                    help="not an SGLang flag: auto = static slots + CUDA graphs where they apply, else paged; "
                         "static on the CPU runs the graph runner's code eagerly (tests, debugging)")
     p.set_defaults(fn=cmd_serve)
+
+
+def token_count(value: str) -> int:
+    """``4096``, ``32k`` (x1000) or ``128K`` (x1024), as vLLM reads human-readable lengths."""
+    m = re.fullmatch(r"(\d+)([kKmM]?)", value.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{value!r}: a token count such as 4096, 32k or 128K")
+    scale = {"": 1, "k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}[m.group(2)]
+    return int(m.group(1)) * scale
+
+
+def flag_notes(args) -> list[str]:
+    """One line per accepted SGLang flag that changes nothing here, saying why."""
+    notes = []
+    if args.mamba_full_memory_ratio is not None:
+        notes.append("--mamba-full-memory-ratio: no effect: recurrent states live per request, not in a shared "
+                     "pool sized against the KV cache")
+    if args.speculative_draft_attention_backend is not None:
+        notes.append(f"--speculative-draft-attention-backend {args.speculative_draft_attention_backend}: no effect: "
+                     f"the drafter's attention is PyTorch's (SDPA / matmul)")
+    if args.disable_radix_cache:
+        notes.append("--disable-radix-cache: no effect: there is no prefix cache")
+    if args.enable_metrics:
+        notes.append("--enable-metrics: no effect: /metrics is always served")
+    if args.skip_server_warmup:
+        notes.append("--skip-server-warmup: no effect: the server sends itself no warm-up request")
+    return notes
 
 
 def check_flags(args) -> None:
@@ -45,6 +87,10 @@ def check_flags(args) -> None:
         raise SystemExit(f"--mem-fraction-static must be in (0, 1], got {args.mem_fraction_static}")
     if args.max_running_requests < 1:
         raise SystemExit(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
+    if args.cuda_graph_max_bs is not None and args.cuda_graph_max_bs < args.max_running_requests:
+        raise SystemExit(f"--cuda-graph-max-bs {args.cuda_graph_max_bs} < --max-running-requests "
+                         f"{args.max_running_requests}: batches past the graphs are not run eagerly here; lower "
+                         f"--max-running-requests to {args.cuda_graph_max_bs} instead")
     if args.chunked_prefill_size is not None and (args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1):
         raise SystemExit(f"--chunked-prefill-size must be -1 (off) or >= 1, got {args.chunked_prefill_size}")
 
@@ -67,7 +113,16 @@ def cmd_serve(args) -> int:
     from .app import create_app
 
     check_flags(args)
+    logging.basicConfig(level=args.log_level.upper())
+    for note in flag_notes(args):
+        print(note, flush=True)
+    if args.random_seed is not None:
+        import torch
+        torch.manual_seed(args.random_seed)  # unseeded requests draw their seeds from it
     target, draft, width = load_models(args)
+    if args.chat_template:
+        path = Path(args.chat_template)
+        target.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
     ctx = args.context_length or int(getattr(target.config, "max_position_embeddings", 2048))
     cfg = EngineConfig(max_running_requests=args.max_running_requests, speculative=draft is not None,
                        num_draft_tokens=width if draft is not None else 2,
@@ -79,11 +134,12 @@ def cmd_serve(args) -> int:
     engine.start()
     name = args.served_model_name or (args.model_path or "SmolLM2-135M-Instruct")
     parser = {"qwen": "hermes", "qwen25": "hermes"}.get(args.tool_call_parser, args.tool_call_parser)
-    app = create_app(engine, target.tokenizer, name, ctx, args.reasoning_parser, parser)
+    app = create_app(engine, target.tokenizer, name, ctx, args.reasoning_parser, parser, api_key=args.api_key,
+                     server_args={k: v for k, v in vars(args).items() if k not in ("fn", "api_key")})
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
     graphs = "CUDA graphs over static slots" if getattr(engine.runner, "use_graph", False) else "eager"
     print(f"dflash2 serving {name} on http://{args.host}:{args.port} (width {engine.width}, "
           f"{cfg.max_total_tokens} KV tokens, max {cfg.max_running_requests} running, {graphs})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     engine.shutdown()
     return 0

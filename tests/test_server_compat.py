@@ -1,0 +1,135 @@
+"""SGLang's serving flags and endpoints (a slice of the drop-in issue): the card-style launch line
+with its SGLang-only flags starts and says in one line per flag what it does not do here;
+--api-key guards every route but /health; /v1/models/{id}, /version, /get_model_info,
+/server_info, /health_generate, /flush_cache and /abort_request answer as SGLang's do."""
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from test_server import REPO, _free_port
+
+KEY = "sk-test-key"
+NOTED = ["--mamba-full-memory-ratio", "--speculative-draft-attention-backend", "--disable-radix-cache",
+         "--enable-metrics", "--skip-server-warmup"]
+
+
+@pytest.fixture(scope="module")
+def card(models):
+    root = models[0]
+    port = _free_port()
+    cmd = [sys.executable, "-m", "dflash2.cli", "serve", "--model", str(root / "target"),
+           "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(root / "draft"),
+           "--speculative-num-draft-tokens", "5", "--tp", "1", "--context-length", "1K", "--dtype", "fp32",
+           "--device", "auto", "--api-key", KEY, "--random-seed", "3", "--log-level", "warning",
+           "--mamba-full-memory-ratio", "0.9", "--speculative-draft-attention-backend", "fa3", "--disable-radix-cache",
+           "--enable-metrics", "--skip-server-warmup", "--max-total-tokens", "4096", "--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("dflash2 serving"):
+            break
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(120):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.25)
+    yield url, lines
+    proc.terminate()
+    proc.wait(10)
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def test_card_style_launch_starts_and_names_what_it_does_not_do(card):
+    url, lines = card
+    for flag in NOTED:
+        assert sum(l.startswith(flag) and "no effect" in l for l in lines) == 1, (flag, lines)
+    info = httpx.get(url + "/server_info", headers=AUTH, timeout=10).json()
+    assert info["context_length"] == 1024 and info["tp_size"] == 1 and info["speculative_num_draft_tokens"] == 5
+    assert "api_key" not in info
+
+
+def test_api_key_guards_every_route_but_health(card):
+    url, _ = card
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics"),
+                         ("POST", "/generate"), ("GET", "/server_info")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = httpx.request(method, url + path, headers=headers, json={}, timeout=10)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    assert client.completions.create(model="default", prompt="Hello", max_tokens=4, temperature=0).choices[0].text
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_sglang_endpoints(card):
+    url, _ = card
+    get = lambda p: httpx.get(url + p, headers=AUTH, timeout=60)
+    assert get("/v1/models/default").json()["max_model_len"] == 1024
+    assert get("/v1/models/nope").status_code == 404
+    assert get("/version").json()["version"]
+    assert get("/get_model_info").json()["is_generation"] is True
+    httpx.post(url + "/generate", headers=AUTH, json={"text": "Once upon a time", "sampling_params": {
+        "max_new_tokens": 16, "temperature": 0}}, timeout=60).raise_for_status()
+    for path in ("/server_info", "/get_server_info"):
+        state = get(path).json()["internal_states"][0]
+        assert state["avg_spec_accept_length"] >= 1.0 and state["last_gen_throughput"] > 0
+    assert get("/health_generate").json() == {"status": "ok"}
+    assert httpx.post(url + "/flush_cache", headers=AUTH, timeout=10).status_code == 200
+    assert httpx.post(url + "/abort_request", headers=AUTH, json={}, timeout=10).status_code == 400
+
+
+def test_abort_request_by_rid_ends_a_running_stream(card):
+    url, _ = card
+    events = []
+
+    def stream():
+        body = {"text": "Once upon a time", "rid": "story-1", "stream": True,
+                "sampling_params": {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}}
+        with httpx.stream("POST", url + "/generate", headers=AUTH, json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    for _ in range(200):
+        if events:
+            break
+        time.sleep(0.05)
+    r = httpx.post(url + "/abort_request", headers=AUTH, json={"rid": "story-1"}, timeout=10)
+    assert r.json() == {"aborted": ["story-1"]}
+    t.join(120)
+    assert events[-1]["meta_info"]["finish_reason"] == {"type": "abort"}
+    assert events[-1]["meta_info"]["completion_tokens"] < 900
+
+
+@pytest.mark.parametrize("argv,why", [(["--dtype", "half"], "float16 is not supported"),
+                                      (["--context-length", "lots"], "token count"),
+                                      (["--cuda-graph-max-bs", "2"], "cuda-graph-max-bs")])
+def test_flags_we_cannot_honour_are_refused_with_the_reason(argv, why, capsys):
+    from dflash2.cli import build_parser
+    from dflash2.server.launch import check_flags
+    with pytest.raises(SystemExit) as e:
+        check_flags(build_parser().parse_args(["serve", *argv]))
+    assert why in capsys.readouterr().err + str(e.value.code)
+
+
+def test_flag_value_forms():
+    from dflash2.cli import build_parser
+    parse = lambda *a: build_parser().parse_args(["serve", *a])
+    assert parse("--context-length", "32k").context_length == 32000
+    assert parse("--context-length", "128K").context_length == 131072
+    assert parse("--dtype", "bf16").dtype == "bfloat16" and parse("--dtype", "float").dtype == "float32"
+    assert parse("--model", "x").model_path == "x" and parse("--tp", "2").tp_size == 2
