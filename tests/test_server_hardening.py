@@ -3,6 +3,7 @@ endpoint (each request answered 200 or 4xx, never 500, never a hang, and the gre
 normal request unchanged afterwards), one regression per reported failure, and in-process
 checks of what a live process cannot be made to do (a step failing mid-stream)."""
 import json
+import threading
 import time
 
 import httpx
@@ -308,3 +309,31 @@ def test_a_stream_that_fails_ends_with_an_error_event(app_client, monkeypatch):
     assert r.status_code == 503 and "not running" in r.json()["message"]
 
 
+
+
+def test_tokenization_runs_off_the_event_loop(live):
+    """A body under the cap whose tokenization takes seconds: /health answers meanwhile (tokenizing on
+    the event loop froze it for the whole time)."""
+    url = live[0]
+    text = "word, " * 1_300_000  # ~7.8 MB: tokenized, then refused as longer than the context
+    result = {}
+
+    def big():
+        t0 = time.perf_counter()
+        result["status"] = _post(url, "/v1/completions", {"prompt": text, "max_tokens": 1}, timeout=300).status_code
+        result["seconds"] = time.perf_counter() - t0
+
+    t = threading.Thread(target=big)
+    t.start()
+    time.sleep(0.5)
+    waits = []
+    while t.is_alive():
+        t0 = time.perf_counter()
+        assert httpx.get(url + "/health", timeout=120).status_code == 200
+        waits.append(time.perf_counter() - t0)
+        time.sleep(0.1)
+    t.join()
+    assert result["status"] == 400
+    if result["seconds"] < 3 or len(waits) < 3:
+        pytest.skip(f"tokenization took only {result['seconds']:.1f} s here: nothing to observe")
+    assert max(waits) < result["seconds"] / 2, (max(waits), result)
