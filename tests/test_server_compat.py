@@ -133,3 +133,38 @@ def test_flag_value_forms():
     assert parse("--context-length", "128K").context_length == 131072
     assert parse("--dtype", "bf16").dtype == "bfloat16" and parse("--dtype", "float").dtype == "float32"
     assert parse("--model", "x").model_path == "x" and parse("--tp", "2").tp_size == 2
+
+
+def _client(url):
+    openai = pytest.importorskip("openai")
+    return openai, openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def test_content_parts_and_tool_turns(card):
+    openai, client = _client(card[0])
+    ask = lambda messages: client.chat.completions.create(model="default", messages=messages, max_tokens=8,
+                                                          temperature=0).choices[0].message.content
+    plain = ask([{"role": "user", "content": "Hello there\nfriend"}])
+    parts = ask([{"role": "user", "content": [{"type": "text", "text": "Hello there"}, {"type": "text", "text": "friend"}]}])
+    assert parts == plain
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        ask([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}])
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    assert isinstance(ask([{"role": "user", "content": "add 1 and 2"},
+                           {"role": "assistant", "content": None, "tool_calls": [call]},
+                           {"role": "tool", "tool_call_id": "call_1", "content": "3"}]), str)
+
+
+def test_streaming_usage_follows_openai(card):
+    openai, client = _client(card[0])
+    kw = dict(model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0, stream=True)
+    chunks = list(client.chat.completions.create(**kw))
+    assert all(c.usage is None for c in chunks) and chunks[-1].choices[0].finish_reason in ("stop", "length")
+    chunks = list(client.chat.completions.create(**kw, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length") and all(c.usage is None for c in chunks[:-1])
+    comp = list(client.completions.create(model="default", prompt="Hi", max_tokens=8, temperature=0, stream=True,
+                                          stream_options={"include_usage": True}))
+    assert comp[-1].choices == [] and comp[-1].usage.completion_tokens > 0
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        client.completions.create(model="default", prompt="Hi", max_tokens=2, stream_options={"include_usage": True})

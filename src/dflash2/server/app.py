@@ -28,7 +28,7 @@ from ..engine.request import Request
 from ..verification import SamplingParams
 from .metrics import render_metrics
 from .parsers import ReasoningParser, ToolCallParser
-from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, StreamOptions
 
 log = logging.getLogger("dflash2.server")
 MAX_BODY_BYTES = 8 << 20      # 8 MiB: a 128k-token prompt as text or as ids fits several times over
@@ -433,13 +433,41 @@ async def metrics(http: HTTPRequest):
     return PlainTextResponse(render_metrics(state_of(http).engine), media_type="text/plain; version=0.0.4")
 
 
+def text_messages(messages: list[dict]) -> list[dict]:
+    """Messages as a text-only chat template takes them: a list of text parts becomes one string
+    (joined by newlines, as vLLM does), ``content: null`` (an assistant turn that only calls tools)
+    becomes ``""``; any other part (images, audio) is refused by name."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"messages[{i}].content: a part of type {kind!r} is not supported (this "
+                                        f"model reads text only)", param=f"messages[{i}].content")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is None:
+            content = ""
+        out.append({**m, "content": content})
+    return out
+
+
+def usage_chunk(obj: str, rid: str, created: int, model: str, req: Request) -> str:
+    """OpenAI's last stream chunk when ``stream_options.include_usage``: no choices, the usage."""
+    return f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': usage(req)})}\n\n"
+
+
 @router.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, http: HTTPRequest):
     st = state_of(http)
     check_model(st, body.model)
     use_tools = body.tool_choice != "none"
+    messages = text_messages(body.messages)
     try:
-        ids = await st.off_loop(st.tokenizer.apply_chat_template, body.messages, tools=body.tools if use_tools else None,
+        ids = await st.off_loop(st.tokenizer.apply_chat_template, messages, tools=body.tools if use_tools else None,
                                 add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     except Exception as e:
@@ -463,19 +491,22 @@ async def chat(body: ChatCompletionRequest, http: HTTPRequest):
         return {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
                 "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason(req, bool(calls))}],
                 "usage": usage(req)}
-    return StreamingResponse(chat_events(st, req, http, rid, created, parser), media_type="text/event-stream")
+    return StreamingResponse(chat_events(st, req, http, rid, created, parser, body.stream_options),
+                             media_type="text/event-stream")
 
 
-async def chat_events(st: ServerState, req: Request, http: HTTPRequest, rid: str, created: int, parser: str | None):
+async def chat_events(st: ServerState, req: Request, http: HTTPRequest, rid: str, created: int, parser: str | None,
+                      options: StreamOptions | None):
     rp = ReasoningParser() if st.reasoning_parser else None
     tp = ToolCallParser(parser) if parser else None
     n_calls = 0
+    every = bool(options and options.continuous_usage_stats)
 
-    def chunk(delta: dict, finish=None, use=None):
+    def chunk(delta: dict, finish=None):
         d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
              "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-        if use:
-            d["usage"] = use
+        if every:
+            d["usage"] = usage(req)
         return f"data: {json.dumps(d)}\n\n"
 
     def call_chunks(calls):
@@ -515,7 +546,9 @@ async def chat_events(st: ServerState, req: Request, http: HTTPRequest, rid: str
                     yield chunk({"content": rest})
                 for c in call_chunks(calls):
                     yield c
-            yield chunk({}, finish_reason(req, n_calls > 0), usage(req))
+            yield chunk({}, finish_reason(req, n_calls > 0))
+            if options and options.include_usage:
+                yield usage_chunk("chat.completion.chunk", rid, created, st.model_name, req)
     yield "data: [DONE]\n\n"
 
 
@@ -527,6 +560,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     req = make_request(st, ids, body.max_tokens, body)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     req.request_id = rid
+    options = body.stream_options
     if not body.stream:
         await run_to_end(st, req, http)
         text = await st.final_text(req)
@@ -542,9 +576,11 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
             if delta or done:
                 d = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
                      "choices": [{"index": 0, "text": delta, "finish_reason": finish_reason(req) if done else None}]}
-                if done:
+                if options and options.continuous_usage_stats:
                     d["usage"] = usage(req)
                 yield f"data: {json.dumps(d)}\n\n"
+                if done and options and options.include_usage:
+                    yield usage_chunk("text_completion", rid, created, st.model_name, req)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -104,11 +104,19 @@ class SamplingFields(_Sampling):
 
 
 class StreamOptions(_Base):
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None
+    include_usage: bool | None = None            # OpenAI: a last chunk with no choices and the usage
+    continuous_usage_stats: bool | None = None   # vLLM: the usage so far on every chunk
 
 
-class ChatCompletionRequest(SamplingFields):
+class _Streamed(_Base):
+    @model_validator(mode="after")
+    def _options_need_stream(self):
+        if getattr(self, "stream_options", None) is not None and not getattr(self, "stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class ChatCompletionRequest(SamplingFields, _Streamed):
     model: str | None = None
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
@@ -132,7 +140,7 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, _Streamed):
     model: str | None = None
     prompt: str | list[int]
     max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)
