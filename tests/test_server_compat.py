@@ -168,3 +168,24 @@ def test_streaming_usage_follows_openai(card):
     assert comp[-1].choices == [] and comp[-1].usage.completion_tokens > 0
     with pytest.raises(openai.BadRequestError, match="stream_options"):
         client.completions.create(model="default", prompt="Hi", max_tokens=2, stream_options={"include_usage": True})
+
+
+def test_batched_prompts_on_both_routes(card):
+    url = card[0]
+    openai, client = _client(url)
+    prompts = ["Once upon a time", "The capital of France", "1, 2, 3,"]
+    single = [client.completions.create(model="default", prompt=p, max_tokens=8, temperature=0) for p in prompts]
+    alone = [r.choices[0].text for r in single]
+    both = client.completions.create(model="default", prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == alone
+    assert both.usage.completion_tokens == sum(r.usage.completion_tokens for r in single)
+    ids = [[5, 6, 7], [8, 9, 10, 11]]
+    by_ids = client.completions.create(model="default", prompt=ids, max_tokens=4, temperature=0)
+    assert len(by_ids.choices) == 2
+    gen = httpx.post(url + "/generate", headers=AUTH, timeout=120, json={
+        "text": prompts, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    assert [g["text"] for g in gen] == alone and len({g["meta_info"]["id"] for g in gen}) == 3
+    with pytest.raises(openai.BadRequestError, match="batch"):
+        client.completions.create(model="default", prompt=prompts, max_tokens=2, stream=True)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="default", prompt=["fine", ""], max_tokens=2)

@@ -552,21 +552,46 @@ async def chat_events(st: ServerState, req: Request, http: HTTPRequest, rid: str
     yield "data: [DONE]\n\n"
 
 
+def is_batch(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+
+
+async def prompt_ids(st: ServerState, prompt, param: str) -> list[list[int]]:
+    """Token ids of each prompt of a batch (or of the one prompt): text is tokenized, ids kept."""
+    prompts = prompt if is_batch(prompt) else [prompt]
+    return [list(p) if isinstance(p, list) else await st.encode(p, param) for p in prompts]
+
+
+async def run_all(st: ServerState, reqs: list[Request], http: HTTPRequest) -> None:
+    """Every request of a batch to its end; if one fails, the others are cancelled (and aborted)."""
+    tasks = [asyncio.ensure_future(run_to_end(st, r, http)) for r in reqs]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, http: HTTPRequest):
     st = state_of(http)
     check_model(st, body.model)
-    ids = list(body.prompt) if isinstance(body.prompt, list) else await st.encode(body.prompt, "prompt")
-    req = make_request(st, ids, body.max_tokens, body)
+    batch = [make_request(st, ids, body.max_tokens, body) for ids in await prompt_ids(st, body.prompt, "prompt")]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    req.request_id = rid
+    for i, r in enumerate(batch):
+        r.request_id = rid if len(batch) == 1 else f"{rid}-{i}"
     options = body.stream_options
     if not body.stream:
-        await run_to_end(st, req, http)
-        text = await st.final_text(req)
+        await run_all(st, batch, http)
+        choices = [{"index": i, "text": await st.final_text(r), "finish_reason": finish_reason(r), "logprobs": None}
+                   for i, r in enumerate(batch)]
         return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish_reason(req), "logprobs": None}],
-                "usage": usage(req)}
+                "choices": choices, "usage": total_usage(batch)}
+    if len(batch) > 1:
+        raise APIError(400, "stream with a batch of prompts is not supported yet: send one prompt per stream",
+                       param="prompt")
+    req = batch[0]
 
     async def events():
         async for delta, done in stream_tokens(st, req, http):
@@ -586,28 +611,42 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def total_usage(batch: list[Request]) -> dict:
+    per = [usage(r) for r in batch]
+    out = {k: sum(u[k] for u in per) for k in ("prompt_tokens", "completion_tokens", "total_tokens", "spec_verify_ct")}
+    out["spec_accept_length"] = round(out["completion_tokens"] / max(out["spec_verify_ct"], 1), 4)
+    return out if len(batch) > 1 else per[0]
+
+
 @router.post("/generate")
 async def generate(body: GenerateRequest, http: HTTPRequest):
     st = state_of(http)
     if (body.input_ids is None) == (body.text is None):
         raise APIError(400, "give exactly one of text or input_ids", param="text")
-    ids = body.input_ids if body.input_ids is not None else await st.encode(body.text or "", "text")
+    prompt, param = (body.input_ids, "input_ids") if body.input_ids is not None else (body.text, "text")
     sp = body.sampling_params
-    req = make_request(st, ids, sp.max_new_tokens, sp, "input_ids" if body.input_ids is not None else "text")
+    many = is_batch(prompt)
+    batch = [make_request(st, ids, sp.max_new_tokens, sp, param) for ids in await prompt_ids(st, prompt, param)]
     rid = body.rid or uuid.uuid4().hex
-    req.request_id = rid
+    for i, r in enumerate(batch):
+        r.request_id = f"{rid}-{i}" if many else rid
     t0 = time.perf_counter()
 
-    def meta() -> dict:
-        return {"id": rid, "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
+    def meta(req: Request) -> dict:
+        return {"id": req.request_id, "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
                 "spec_verify_ct": req.verify_steps, "spec_accept_length": req.accept_length,
                 "spec_accept_histogram": req.accept_hist,
                 "finish_reason": {"type": finish_reason(req)} if req.finished else None,
                 "e2e_latency": time.perf_counter() - t0}
 
     if not body.stream:
-        await run_to_end(st, req, http)
-        return {"text": await st.final_text(req), "output_ids": req.output_ids, "meta_info": meta()}
+        await run_all(st, batch, http)
+        out = [{"text": await st.final_text(r), "output_ids": r.output_ids, "meta_info": meta(r)} for r in batch]
+        return out if many else out[0]
+    if many:
+        raise APIError(400, "stream with a batch of prompts is not supported yet: send one prompt per stream",
+                       param=param)
+    req = batch[0]
 
     async def events():
         text = ""
@@ -616,7 +655,7 @@ async def generate(body: GenerateRequest, http: HTTPRequest):
                 yield error_event(req)
                 break
             text += delta
-            yield f"data: {json.dumps({'text': text, 'output_ids': req.output_ids, 'meta_info': meta()})}\n\n"
+            yield f"data: {json.dumps({'text': text, 'output_ids': req.output_ids, 'meta_info': meta(req)})}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

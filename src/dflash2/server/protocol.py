@@ -142,7 +142,7 @@ class ChatCompletionRequest(SamplingFields, _Streamed):
 
 class CompletionRequest(SamplingFields, _Streamed):
     model: str | None = None
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a batch of them
     max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -168,8 +168,8 @@ class GenerateSampling(_Sampling):
 
 
 class GenerateRequest(_Base):
-    text: str | None = None
-    input_ids: list[int] | None = None
+    text: str | list[str] | None = None            # one prompt, or a batch
+    input_ids: list[int] | list[list[int]] | None = None
     sampling_params: GenerateSampling = Field(default_factory=lambda: GenerateSampling())
     stream: bool = False
     rid: str | None = None
