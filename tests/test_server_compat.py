@@ -111,7 +111,7 @@ def test_abort_request_by_rid_ends_a_running_stream(card):
     r = httpx.post(url + "/abort_request", headers=AUTH, json={"rid": "story-1"}, timeout=10)
     assert r.json() == {"aborted": ["story-1"]}
     t.join(120)
-    assert events[-1]["meta_info"]["finish_reason"] == {"type": "abort"}
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
     assert events[-1]["meta_info"]["completion_tokens"] < 900
 
 
@@ -189,3 +189,21 @@ def test_batched_prompts_on_both_routes(card):
         client.completions.create(model="default", prompt=prompts, max_tokens=2, stream=True)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="default", prompt=["fine", ""], max_tokens=2)
+
+
+def test_sglang_response_extras(card):
+    url = card[0]
+    post = lambda body: httpx.post(url + "/generate", headers=AUTH, json=body, timeout=60).json()
+    free = post({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
+    meta = free["meta_info"]
+    assert meta["cached_tokens"] == 0 and 0 <= meta["spec_accept_rate"] <= 1
+    if meta["finish_reason"]["type"] == "length":
+        assert meta["finish_reason"]["length"] == 12
+    stop = free["text"][3:6]
+    if len(stop) == 3 and stop.strip():
+        hit = post({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                                                                     "stop": [stop]}})
+        assert hit["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    openai, client = _client(url)
+    c = client.completions.create(model="default", prompt="Once upon a time", max_tokens=3, temperature=0)
+    assert c.choices[0].model_extra["matched_stop"] is None or c.choices[0].finish_reason == "stop"

@@ -301,11 +301,11 @@ class LLMEngine:
             req.output_ids.append(tok)
             new.append(tok)
             if (tok in self.eos and not sp.ignore_eos) or tok in sp.stop_token_ids:
-                reason = "stop"
+                reason, req.matched_stop = "stop", tok
             elif len(req.output_ids) >= sp.max_new_tokens or len(req.all_ids) >= self.cfg.context_length:
                 reason = "length"
-            elif req.stop_strings and self._hits_stop_string(req):
-                reason = "stop"
+            elif req.stop_strings and (hit := self._hits_stop_string(req)) is not None:
+                reason, req.matched_stop = "stop", hit
             if reason:
                 break
         self.stats.generated_tokens += len(new)
@@ -314,9 +314,10 @@ class LLMEngine:
                 self._finish(req, reason, notify=False)
         self._notify(req, new)
 
-    def _hits_stop_string(self, req: Request) -> bool:
+    def _hits_stop_string(self, req: Request) -> str | None:
+        """The stop string the output's tail now holds (the first listed), if any."""
         tail = self.target.tokenizer.decode(req.output_ids[-32:], skip_special_tokens=True)
-        return any(s in tail for s in req.stop_strings)
+        return next((s for s in req.stop_strings if s in tail), None)
 
     def _finish(self, req: Request, reason: str, error: str | None = None, notify: bool = True) -> None:
         if req.finished:

@@ -30,6 +30,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None        # "stop" | "length" | "abort" | "error"
+    matched_stop: int | str | None = None   # the stop token id or stop string that ended it (SGLang's matched_stop)
     error: str | None = None
     verify_steps: int = 0
     accept_hist: list[int] = field(default_factory=list)
@@ -52,6 +53,14 @@ class Request:
     @property
     def accept_length(self) -> float:
         return len(self.output_ids) / max(self.verify_steps, 1)
+
+    @property
+    def spec_accept_rate(self) -> float:
+        """Accepted drafts over proposed drafts (width - 1 a step)."""
+        g = len(self.accept_hist) - 1
+        if g <= 0 or not self.verify_steps:
+            return 0.0
+        return sum(n * c for n, c in enumerate(self.accept_hist)) / (g * self.verify_steps)
 
     @property
     def finished(self) -> bool:

@@ -316,6 +316,19 @@ def usage(req: Request) -> dict:
             "spec_accept_length": round(req.accept_length, 4)}
 
 
+def sglang_finish(req: Request) -> dict | None:
+    """SGLang's ``meta_info.finish_reason``: ``{"type": "stop", "matched": id or string}``,
+    ``{"type": "length", "length": n}``, ``{"type": "abort", "message": ...}``."""
+    if not req.finished:
+        return None
+    kind = finish_reason(req)
+    if kind == "stop":
+        return {"type": "stop", "matched": req.matched_stop}
+    if kind == "length":
+        return {"type": "length", "length": len(req.output_ids)}
+    return {"type": kind, "message": req.error}
+
+
 def finish_reason(req: Request, tool_calls: bool = False) -> str:
     if tool_calls:
         return "tool_calls"
@@ -489,7 +502,8 @@ async def chat(body: ChatCompletionRequest, http: HTTPRequest):
                 msg["tool_calls"] = calls
         msg["content"] = text
         return {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
-                "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason(req, bool(calls))}],
+                "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason(req, bool(calls)),
+                             "matched_stop": req.matched_stop}],
                 "usage": usage(req)}
     return StreamingResponse(chat_events(st, req, http, rid, created, parser, body.stream_options),
                              media_type="text/event-stream")
@@ -584,8 +598,8 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     options = body.stream_options
     if not body.stream:
         await run_all(st, batch, http)
-        choices = [{"index": i, "text": await st.final_text(r), "finish_reason": finish_reason(r), "logprobs": None}
-                   for i, r in enumerate(batch)]
+        choices = [{"index": i, "text": await st.final_text(r), "finish_reason": finish_reason(r), "logprobs": None,
+                    "matched_stop": r.matched_stop} for i, r in enumerate(batch)]
         return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
                 "choices": choices, "usage": total_usage(batch)}
     if len(batch) > 1:
@@ -634,10 +648,10 @@ async def generate(body: GenerateRequest, http: HTTPRequest):
 
     def meta(req: Request) -> dict:
         return {"id": req.request_id, "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
+                "cached_tokens": 0,  # no prefix cache
                 "spec_verify_ct": req.verify_steps, "spec_accept_length": req.accept_length,
-                "spec_accept_histogram": req.accept_hist,
-                "finish_reason": {"type": finish_reason(req)} if req.finished else None,
-                "e2e_latency": time.perf_counter() - t0}
+                "spec_accept_rate": round(req.spec_accept_rate, 4), "spec_accept_histogram": req.accept_hist,
+                "finish_reason": sglang_finish(req), "e2e_latency": time.perf_counter() - t0}
 
     if not body.stream:
         await run_all(st, batch, http)
