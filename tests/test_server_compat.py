@@ -207,3 +207,25 @@ def test_sglang_response_extras(card):
     openai, client = _client(url)
     c = client.completions.create(model="default", prompt="Once upon a time", max_tokens=3, temperature=0)
     assert c.choices[0].model_extra["matched_stop"] is None or c.choices[0].finish_reason == "stop"
+
+
+def test_n_parallel_samples(card):
+    url = card[0]
+    openai, client = _client(url)
+    kw = dict(model="default", messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=12,
+              temperature=1.0, n=3, seed=11)
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    texts = [c.message.content for c in sorted(a.choices, key=lambda c: c.index)]
+    assert len(texts) == 3 and texts == [c.message.content for c in sorted(b.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1  # three samples, not one answer three times
+    # (sample j is seeded seed + j, but batched with its siblings the drafter's int8 activation scale and
+    # so its drafts differ from a lone request's: equal in distribution, not token for token)
+    assert a.usage.prompt_tokens == client.chat.completions.create(**{**kw, "n": 1}).usage.prompt_tokens
+    c = client.completions.create(model="default", prompt=["Hi", "Bye"], max_tokens=4, temperature=1.0, n=2, seed=3)
+    assert sorted(x.index for x in c.choices) == [0, 1, 2, 3]
+    gen = httpx.post(url + "/generate", headers=AUTH, timeout=60, json={
+        "text": "Hi", "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "n": 2, "seed": 3}}).json()
+    assert isinstance(gen, list) and len(gen) == 2
+    with pytest.raises(openai.BadRequestError, match="n > 1"):
+        client.chat.completions.create(**{**kw, "stream": True})

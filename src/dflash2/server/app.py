@@ -7,6 +7,7 @@ that goes away aborts its request, and a request that fails mid-stream ends with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import importlib.metadata
 import json
@@ -25,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import LLMEngine, RequestError
 from ..engine.request import Request
-from ..verification import SamplingParams
+from ..sampling import SEED_RANGE, SamplingParams
 from .metrics import render_metrics
 from .parsers import ReasoningParser, ToolCallParser
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, StreamOptions
@@ -486,25 +487,30 @@ async def chat(body: ChatCompletionRequest, http: HTTPRequest):
     except Exception as e:
         raise APIError(400, f"messages could not be rendered with the chat template: {e}", param="messages") from None
     parser = st.tool_call_parser if use_tools else None
-    req = make_request(st, ids, body.max_completion_tokens or body.max_tokens, body, "messages")
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    req.request_id = rid
+    batch = samples(make_request(st, ids, body.max_completion_tokens or body.max_tokens, body, "messages"), body.n,
+                    rid)
     if not body.stream:
-        await run_to_end(st, req, http)
-        text = await st.final_text(req, st.skip_special)
-        msg: dict = {"role": "assistant"}
-        if st.reasoning_parser:
-            msg["reasoning_content"], text = ReasoningParser.split(text)
-        calls: list[dict] = []
-        if parser:
-            text, calls = ToolCallParser.parse(parser, text)
-            if calls:
-                msg["tool_calls"] = calls
-        msg["content"] = text
+        await run_all(st, batch, http)
+        choices = []
+        for i, r in enumerate(batch):
+            text = await st.final_text(r, st.skip_special)
+            msg: dict = {"role": "assistant"}
+            if st.reasoning_parser:
+                msg["reasoning_content"], text = ReasoningParser.split(text)
+            calls: list[dict] = []
+            if parser:
+                text, calls = ToolCallParser.parse(parser, text)
+                if calls:
+                    msg["tool_calls"] = calls
+            msg["content"] = text
+            choices.append({"index": i, "message": msg, "finish_reason": finish_reason(r, bool(calls)),
+                            "matched_stop": r.matched_stop})
         return {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
-                "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason(req, bool(calls)),
-                             "matched_stop": req.matched_stop}],
-                "usage": usage(req)}
+                "choices": choices, "usage": total_usage(batch, prompts=1)}
+    if len(batch) > 1:
+        raise APIError(400, "stream with n > 1 is not supported yet: send n streams", param="n")
+    req = batch[0]
     return StreamingResponse(chat_events(st, req, http, rid, created, parser, body.stream_options),
                              media_type="text/event-stream")
 
@@ -566,6 +572,21 @@ async def chat_events(st: ServerState, req: Request, http: HTTPRequest, rid: str
     yield "data: [DONE]\n\n"
 
 
+def samples(req: Request, n: int, rid: str) -> list[Request]:
+    """``n`` parallel samples of one prompt: copies with their own generators (seed, seed + 1, ... when a
+    seed is given, so a seeded request is reproducible), request ids ``rid`` or ``rid-j``."""
+    if n == 1:
+        req.request_id = rid
+        return [req]
+    seed = req.sampling.seed
+    out = []
+    for j in range(n):
+        s = None if seed is None else (seed + j if seed + j <= SEED_RANGE[1] else seed - j)
+        out.append(Request(list(req.prompt_ids), dataclasses.replace(req.sampling, seed=s),
+                           stop_strings=req.stop_strings, request_id=f"{rid}-{j}"))
+    return out
+
+
 def is_batch(prompt) -> bool:
     return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
 
@@ -591,20 +612,21 @@ async def run_all(st: ServerState, reqs: list[Request], http: HTTPRequest) -> No
 async def completions(body: CompletionRequest, http: HTTPRequest):
     st = state_of(http)
     check_model(st, body.model)
-    batch = [make_request(st, ids, body.max_tokens, body) for ids in await prompt_ids(st, body.prompt, "prompt")]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    for i, r in enumerate(batch):
-        r.request_id = rid if len(batch) == 1 else f"{rid}-{i}"
+    prompts = await prompt_ids(st, body.prompt, "prompt")
+    batch = [r for i, ids in enumerate(prompts)
+             for r in samples(make_request(st, ids, body.max_tokens, body), body.n,
+                              rid if len(prompts) == 1 else f"{rid}-{i}")]
     options = body.stream_options
     if not body.stream:
         await run_all(st, batch, http)
         choices = [{"index": i, "text": await st.final_text(r), "finish_reason": finish_reason(r), "logprobs": None,
                     "matched_stop": r.matched_stop} for i, r in enumerate(batch)]
         return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
-                "choices": choices, "usage": total_usage(batch)}
+                "choices": choices, "usage": total_usage(batch, prompts=len(prompts))}
     if len(batch) > 1:
-        raise APIError(400, "stream with a batch of prompts is not supported yet: send one prompt per stream",
-                       param="prompt")
+        raise APIError(400, "stream with a batch of prompts or n > 1 is not supported yet: send one stream each",
+                       param="prompt" if len(prompts) > 1 else "n")
     req = batch[0]
 
     async def events():
@@ -625,11 +647,18 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def total_usage(batch: list[Request]) -> dict:
+def total_usage(batch: list[Request], prompts: int) -> dict:
+    """Usage of a batch: each prompt counted once (n samples share it, as OpenAI counts), every completion."""
     per = [usage(r) for r in batch]
-    out = {k: sum(u[k] for u in per) for k in ("prompt_tokens", "completion_tokens", "total_tokens", "spec_verify_ct")}
+    if len(per) == 1:
+        return per[0]
+    n = len(batch) // prompts
+    out = {"prompt_tokens": sum(u["prompt_tokens"] for u in per[::n]),
+           "completion_tokens": sum(u["completion_tokens"] for u in per),
+           "spec_verify_ct": sum(u["spec_verify_ct"] for u in per)}
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
     out["spec_accept_length"] = round(out["completion_tokens"] / max(out["spec_verify_ct"], 1), 4)
-    return out if len(batch) > 1 else per[0]
+    return out
 
 
 @router.post("/generate")
@@ -639,11 +668,12 @@ async def generate(body: GenerateRequest, http: HTTPRequest):
         raise APIError(400, "give exactly one of text or input_ids", param="text")
     prompt, param = (body.input_ids, "input_ids") if body.input_ids is not None else (body.text, "text")
     sp = body.sampling_params
-    many = is_batch(prompt)
-    batch = [make_request(st, ids, sp.max_new_tokens, sp, param) for ids in await prompt_ids(st, prompt, param)]
+    many = is_batch(prompt) or sp.n > 1
     rid = body.rid or uuid.uuid4().hex
-    for i, r in enumerate(batch):
-        r.request_id = f"{rid}-{i}" if many else rid
+    prompts = await prompt_ids(st, prompt, param)
+    batch = [r for i, ids in enumerate(prompts)
+             for r in samples(make_request(st, ids, sp.max_new_tokens, sp, param), sp.n,
+                              rid if len(prompts) == 1 else f"{rid}-{i}")]
     t0 = time.perf_counter()
 
     def meta(req: Request) -> dict:
@@ -658,8 +688,8 @@ async def generate(body: GenerateRequest, http: HTTPRequest):
         out = [{"text": await st.final_text(r), "output_ids": r.output_ids, "meta_info": meta(r)} for r in batch]
         return out if many else out[0]
     if many:
-        raise APIError(400, "stream with a batch of prompts is not supported yet: send one prompt per stream",
-                       param=param)
+        raise APIError(400, "stream with a batch of prompts or n > 1 is not supported yet: send one stream each",
+                       param=param if len(prompts) > 1 else "n")
     req = batch[0]
 
     async def events():

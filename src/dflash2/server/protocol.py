@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..sampling import MAX_TEMPERATURE, MAX_TOP_K, SEED_RANGE
 
 MAX_STOP_STRINGS = 64
+MAX_N = 64
 MAX_TOKENS = 2**31 - 1  # an int64 larger than any context; keeps arithmetic on it in range
 
 
@@ -70,7 +71,7 @@ class _Sampling(_Base):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)  # parallel samples of each prompt (not streamed)
     # known, not implemented: refused unless at their no-op value (UNSUPPORTED)
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
