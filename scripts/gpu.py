@@ -24,41 +24,8 @@
                                     #   fp32 + bf16 token checks, graphed side-by-side speed, eager reference
                                     #   (ninth session: 2 stash calls + 1 call of ~4 min)
 
-Recipe used on 2026-11-30 (benchmarks only, 6 calls, 30 device-minutes):
-  mv models/smollm2-135m-dflash2/model.safetensors /tmp/aside/
-  1. python scripts/gpu.py stash                                          carry: stash_a
-  2. python -m pip install -q --no-deps .whl/gguf-0.19.0-py3-none-any.whl && python scripts/gpu.py stash
-                                                                          carry: stash_b .whl
-  mv /tmp/aside/model.safetensors models/smollm2-135m-dflash2/
-  3. python scripts/gpu.py bench --configs w8_greedy,w5_token_t1 --acc-concurrency 256 --no-speed --deadline-s 575
-                                                                          carry: work (and so on)
-  Speed (fourth session): python scripts/gpu.py bench --configs w5_greedy --acc-limit 1 --rounds 3 --concurrency 1,8,32
-    took 9.5 min with the untimed warm-up pass per level; put 64 in a call of its own.
-
-Stage 3 of the shipped drafter (fifth session, 2026-11-30; 21 device-minutes in all):
-  1-2. the two stash calls above (weights aside)
-  3. python scripts/gpu.py prepare --data-npz work/data_uint16.npz --add-sampled-gsm8k 7473 \
-       --add-sampled-sharegpt 2000 --gen-batch 2048 --init-from models/smollm2-135m-dflash2 --kl-weight 1.0 \
-       --lr 3e-4 --steps 3600 --batch-size 32 --anchors 48 --eval-every 0 --deadline-s 575   carry: work
-  4. python scripts/gpu.py train --kl-weight 1.0 --lr 3e-4 --steps 2950 --train-seconds 235 --batch-size 32 \
-       --anchors 48 --eval-every 0 --bench --no-speed --acc-limit 200 --acc-concurrency 200 --deadline-s 585
-                                                                          carry: work
-  (--steps on a resume sets the cosine's end: 2950 let the decay finish inside call 4.) Only 8 files
-  come back from a call: JSON outputs are now merged into $OUT/summary.json so the 6 files of the
-  draft and its train log fit (that session needed a 5th call, `train --train-seconds 0`, to fetch them).
-
-Stage 4 (sixth session, 20.3 device-minutes): the same 4 calls from stage 3's data
-(--data-npz work/data3_uint16.npz --add-seed 201 --add-sharegpt-offset 2000, so the new answers are
-new samples); exact commands in models/smollm2-135m-dflash2/README.md. The prepare call returns the
-joined data as $OUT/data_uint16.npz (kept locally as work/data4_uint16.npz, 37,892 sequences).
-
-Stage 5 (seventh session, 23.2 device-minutes): the same 4 calls on stage 4's data, no new answers
-(--data-npz work/data4_uint16.npz --selector-kl-weight 1.0); exact commands in the drafter's README.
-
-Stage 6 (eighth session, 18.6 device-minutes): the same 4 calls on stage 4's data plus new T=1 answers
-(--add-seed 301, ShareGPT 4,000-9,111 after work/prompts.jsonl was rebuilt with all 9,112 first turns);
-the joined data is kept locally as work/data5_uint16.npz (50,477 sequences). A stage 7 with new answers
-needs another seed (--add-seed 401): every ShareGPT first turn the package holds has been answered once.
+The run history (which calls each stage of the shipped drafter and each benchmark took) is in
+docs/gpu_runs.md.
 
 The tracked tree plus what a call carries must stay under 64 MiB: with the 45 MB drafter in
 models/, move its model.safetensors aside for the two stash calls (it is needed again for --init-from).
