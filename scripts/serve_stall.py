@@ -9,42 +9,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from dflash2.server.launch import spawn_server
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def start(chunk: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dflash2.cli", "serve", "--port", str(port), "--context-length",
-                             "8192", "--chunked-prefill-size", str(chunk)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read())
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    raise RuntimeError("server did not start")
+    return spawn_server(["--context-length", "8192", "--chunked-prefill-size", str(chunk)], REPO, tries=600)
 
 
 def probe(url: str, long_tokens: int) -> dict:

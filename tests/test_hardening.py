@@ -301,7 +301,7 @@ def test_engine_loop_survives_failing_steps(llama, monkeypatch):
         _wait([ok])
         ref = list(ok.output_ids)
         # 1. the first-token sampling of one prefill raises (as a tensor overflow did)
-        real = engine_mod.probs_from_logits
+        real = engine_mod.first_token
         calls = {"n": 0}
 
         def once(*a, **k):
@@ -310,7 +310,7 @@ def test_engine_loop_survives_failing_steps(llama, monkeypatch):
                 raise RuntimeError("value cannot be converted to type float without overflow")
             return real(*a, **k)
 
-        monkeypatch.setattr(engine_mod, "probs_from_logits", once)
+        monkeypatch.setattr(engine_mod, "first_token", once)
         bad, good = _req([5, 6, 7, 8]), _req([5, 6, 7, 8])
         eng.add_request(bad)
         _wait([bad])

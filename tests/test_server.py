@@ -45,22 +45,9 @@ def models(tmp_path_factory):
 
 
 def _start(root, *extra):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "dflash2.cli", "serve", "--model-path", str(root / "target"),
-           "--speculative-draft-model-path", str(root / "draft"), "--dtype", "float32", "--port", str(port),
-           "--context-length", "256", *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read())
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not start")
+    from dflash2.server.launch import spawn_server
+    return spawn_server(["--model-path", str(root / "target"), "--speculative-draft-model-path", str(root / "draft"),
+                         "--dtype", "float32", "--context-length", "256", *extra], REPO)
 
 
 @pytest.fixture(scope="module", params=["paged", "static"])

@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..verification import probs_from_logits, sample_from_probs
 from .block_manager import BlockManager
 from .graph_runner import GraphModelRunner, static_bytes
 from .model_runner import ModelRunner
 from .request import Request, prefill_ids
 from .scheduler import Scheduler
-from .speculative import eos_ids, make_generator
+from .speculative import eos_ids, first_token, make_generator
 from .steps import BatchSampling, Runner
 from .static_decode import cuda_graphs_apply
 
@@ -283,9 +282,8 @@ class LLMEngine:
                     continue
                 self.prefilling.popleft()
                 if not req.output_ids:  # a new request: its first token comes from the prefill
-                    sp = req.sampling
-                    p = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
-                    tok = int(sample_from_probs(p, torch.rand((), generator=req.generator).to(p.device)))
+                    assert req.generator is not None
+                    tok = first_token(logits, req.sampling, req.generator)
                     req.first_token_at = time.perf_counter()
                     self._append(req, [tok])
             except Exception as e:

@@ -91,8 +91,6 @@ def check_flags(args) -> None:
         raise SystemExit(f"--cuda-graph-max-bs {args.cuda_graph_max_bs} < --max-running-requests "
                          f"{args.max_running_requests}: batches past the graphs are not run eagerly here; lower "
                          f"--max-running-requests to {args.cuda_graph_max_bs} instead")
-    if args.chunked_prefill_size is not None and (args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1):
-        raise SystemExit(f"--chunked-prefill-size must be -1 (off) or >= 1, got {args.chunked_prefill_size}")
 
 
 def kv_budget_tokens(args, target) -> int:
@@ -143,3 +141,30 @@ def cmd_serve(args) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     engine.shutdown()
     return 0
+
+
+def spawn_server(serve_args: list[str], cwd, tries: int = 240):
+    """``dflash2 serve`` as a child process on a free loopback port, returned once ``/health`` answers:
+    ``(process, base url)`` (tests and scripts that measure a live server)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "dflash2.cli", "serve", *serve_args, "--port", str(port)], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(tries):
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read() if proc.stdout else "server exited")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not start")
