@@ -20,7 +20,7 @@
   python scripts/gpu.py attn        # no carry, no stash: the engine's graphs at batch 1 and 8 with SDPA or
                                     #   matmul attention over 1,029 / 4,101 positions (random SmolLM2-shaped target)
   python scripts/gpu.py graphs --graph-limit 20 --check-prompts 6 --eager-limit 3 [--breakdown]
-                                    # carry work/gsm8k_test.jsonl: batch-1 CUDA graphs (static_decode.py):
+                                    # carry work/gsm8k_test.jsonl: batch 1, the engine with one slot (CUDA graphs):
                                     #   fp32 + bf16 token checks, graphed side-by-side speed, eager reference
                                     #   (ninth session: 2 stash calls + 1 call of ~4 min)
 
@@ -316,15 +316,14 @@ def stage_bench(args, draft_dir: Path | None = None) -> None:
 
 
 def stage_graphs(args) -> None:
-    """CUDA graphs at batch 1 (engine/static_decode.py): correctness first (bf16: static plain vs
-    HF eager, speculative vs static plain, token for token; fp32: speculative must equal the
-    target exactly), then side-by-side speed with every config graphed, then an eager reference
-    on a few prompts. Everything in $OUT/graphs.json."""
+    """Batch-1 decoding (the engine with one slot: static buffers, CUDA graphs): correctness first
+    (bf16: graphed plain vs HF eager, speculative vs graphed plain, token for token; fp32:
+    speculative must equal the target exactly), then side-by-side speed with every config graphed,
+    then an eager reference on a few prompts. Everything in $OUT/graphs.json."""
     import torch
     from dflash2.benchmark.speed import format_table, gsm8k_test_prompts, side_by_side
-    from dflash2.cli import build_parser, load_models
+    from dflash2.cli import build_parser, load_models, one_slot_engine
     from dflash2.engine import speculative_generate
-    from dflash2.engine.static_decode import StaticDecoder
     from dflash2.training.data import render
     from dflash2.verification import SamplingParams
     info = env_report()
@@ -333,6 +332,7 @@ def stage_graphs(args) -> None:
     report = {"env": info, "check": {}, "speed": {}}
     widths = [int(w) for w in args.graph_widths.split(",")]
     OUT.mkdir(parents=True, exist_ok=True)
+    flags = argparse.Namespace(speculative_use_block_verification=False, disable_cuda_graph=False)
 
     def models(dtype):
         a = build_parser().parse_args(["bench", "speed", "--model-path", str(folder), "--device", args.graph_device, "--dtype", dtype])
@@ -347,16 +347,18 @@ def stage_graphs(args) -> None:
         ids = [render(target.tokenizer, p) for p in prompts[:args.check_prompts]]
         sp = SamplingParams(max_new_tokens=args.check_tokens)
         t0 = time.time()
-        plain = StaticDecoder(target, None, 1, args.graph_max_len)
-        decs = {w: StaticDecoder(target, draft, w, args.graph_max_len) for w in (5, 8)}
-        log(f"{dtype}: 3 decoders built and captured in {time.time() - t0:.1f} s (check diff {plain.check_diff:.3g})")
+        longest = max(len(x) for x in ids) + args.check_tokens
+        plain = one_slot_engine(target, None, 1, flags, longest)
+        decs = {w: one_slot_engine(target, draft, w, flags, longest) for w in (5, 8)}
+        log(f"{dtype}: 3 one-slot engines built and captured in {time.time() - t0:.1f} s "
+            f"(graphed: {[e.runner.use_graph for e in [plain, *decs.values()]]})")
         rows = []
         for i, x in enumerate(ids):
-            ref = plain.generate(x, sp).token_ids
+            ref = plain.generate([x], sp)[0].token_ids
             eager = speculative_generate(target, None, x, sp, width=1).token_ids
             row = {"prompt": i, "static_vs_eager_plain": agree(ref, eager)}
             for w, d in decs.items():
-                row[f"w{w}_vs_static_plain"] = agree(d.generate(x, sp).token_ids, ref)
+                row[f"w{w}_vs_static_plain"] = agree(d.generate([x], sp)[0].token_ids, ref)
             rows.append(row)
         same = {k: sum(r[k][1] for r in rows) for k in rows[0] if k != "prompt"}
         log(f"{dtype}: identical outputs out of {len(rows)}: {same}")
@@ -369,25 +371,23 @@ def stage_graphs(args) -> None:
         x = render(target.tokenizer, prompts[0])
         times = {}
         for w in [1] + widths:
-            dec = StaticDecoder(target, draft if w > 1 else None, w, args.graph_max_len)
+            eng = one_slot_engine(target, draft if w > 1 else None, w, flags, len(x) + 8)
             for name, sp in (("greedy", SamplingParams(max_new_tokens=2)),
                              ("t1", SamplingParams(max_new_tokens=2, temperature=1.0, top_p=0.95, seed=0))):
-                dec.generate(x, sp)  # prefill + capture; buffers now hold a real context
-                steps = dec.greedy_step if name == "greedy" else next(iter(dec.sampled_steps.values()))
-                for j, step in enumerate(steps):
-                    times[f"w{w} {name} {'verify' if j == len(steps) - 1 else 'draft'}"] = replay_ms(step, 200)
+                eng.generate([x], sp)  # buffers now hold a real context
+            for (kind, B, greedy, kv_len), (step, _) in eng.runner.graphs.items():
+                times[f"w{w} {'greedy' if greedy else 't1'} {kind} kv{kv_len}"] = replay_ms(step, 200)
         print("graph replay ms (median of 200):", json.dumps({k: round(v, 3) for k, v in times.items()}), flush=True)
         report["breakdown_ms"] = times
     temps = [float(t) for t in args.graph_temperatures.split(",")]
     rows = side_by_side(target, draft, prompts[:args.graph_limit], widths=widths, temperatures=temps,
-                        max_new_tokens=args.graph_tokens, verifies=("token", "block"), cuda_graph=True,
-                        max_len=args.graph_max_len)
+                        max_new_tokens=args.graph_tokens, verifies=tuple(args.graph_verifiers.split(",")))
     print("CUDA graphs, bf16, batch 1\n" + format_table(rows), flush=True)
     report["speed"]["graphs"] = [r.__dict__ for r in rows]
     (OUT / "graphs.json").write_text(json.dumps(report, indent=1))
     if args.eager_limit and time.time() - T_START < args.deadline_s - 200:
         rows = side_by_side(target, draft, prompts[:args.eager_limit], widths=(5, 8), temperatures=(0.0,),
-                            max_new_tokens=args.graph_tokens, verifies=("token",))
+                            max_new_tokens=args.graph_tokens, verifies=("token",), disable_cuda_graph=True)
         print("eager (HF), bf16, batch 1\n" + format_table(rows), flush=True)
         report["speed"]["eager"] = [r.__dict__ for r in rows]
         (OUT / "graphs.json").write_text(json.dumps(report, indent=1))
@@ -425,11 +425,10 @@ def stage_engine(args) -> None:
         for r in reqs:
             eng.add_request(r)
         eng.run_until_done()
-        return [r.output_ids for r in reqs], type(eng.runner).__name__, getattr(eng.runner, "use_graph", False)
+        return [r.output_ids for r in reqs], type(eng.runner).__name__, eng.runner.use_graph
 
     for dtype in ("float32", "bfloat16")[2 - args.check_dtypes:]:
         target, draft, _ = models(dtype)
-        target.set_layer_ids(draft.config.target_layer_ids)
         ids = [render(target.tokenizer, p) for p in prompts[:args.check_prompts]]
         ref, *_ = serve(target, None, ids, 2, "paged")
         row = {}
@@ -456,7 +455,7 @@ def stage_engine(args) -> None:
                 req = Request(x, SamplingParams())
                 runner.prefill(req)
                 req.output_ids.append(x[-1])
-                runner._load([req], torch.tensor([[x[-1]]], device=target.device), None)  # the slot's anchor and position
+                runner._load([req], None)  # the slot's anchor and position
                 for kind in ("draft", "verify"):
                     for kv_len in runner.kv_buckets:  # attending over a prefix, and over the whole buffer
                         step, _ = runner._graph(kind, 1, True, kv_len)
@@ -518,7 +517,7 @@ def stage_hardening(args) -> None:
     for p, r in zip(prompts, reqs):
         ref = t.model.generate(p[None].to(dev), max_new_tokens=24, do_sample=False)[0, p.numel():]
         same += r.output_ids == ref.tolist()
-    report["greedy_chunked"] = {"runner": type(eng.runner).__name__, "graphed": getattr(eng.runner, "use_graph", False),
+    report["greedy_chunked"] = {"runner": type(eng.runner).__name__, "graphed": eng.runner.use_graph,
                                 "identical": same, "of": len(reqs), "seconds": round(time.time() - t0, 2)}
     log(f"greedy, chunked prefill 16, graphs: {json.dumps(report['greedy_chunked'])}")
     V = 8
@@ -547,7 +546,7 @@ def stage_hardening(args) -> None:
         exp = joint[keep] / joint[keep].sum() * counts[keep].sum()
         stat = float(((counts[keep] - exp) ** 2 / exp).sum())  # Pearson's chi-square (no scipy on the image)
         dof = int(keep.sum()) - 1
-        row = {"runner": type(e.runner).__name__, "graphed": getattr(e.runner, "use_graph", False),
+        row = {"runner": type(e.runner).__name__, "graphed": e.runner.use_graph,
                "finished_ok": sum(r.finish_reason == "length" for r in rs), "of": len(rs),
                "accepted_drafts": e.stats.accepted_by_position[0], "chi2": round(stat, 2), "dof": dof,
                "chi2_pvalue": float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
@@ -587,7 +586,7 @@ def stage_attn(args) -> None:
                 for r in reqs:
                     runner.prefill(r)
                     r.output_ids.append(r.prompt_ids[-1])
-                runner._load(reqs, torch.tensor([[r.all_ids[-1]] for r in reqs], device=dev), None)  # anchors, positions
+                runner._load(reqs, None)  # anchors, positions
                 # fixed blocks (drafts could differ between the two forms by a rounding flip)
                 blocks = torch.tensor(prompt[:5 * B], device=dev).view(B, 5)
                 logits[attention, max_len, B] = runner.static.forward(blocks, runner.start[:B])[0].float().cpu()
@@ -607,7 +606,7 @@ def main() -> None:
     ap.add_argument("stage", choices=["stash", "prepare", "train", "bench", "graphs", "engine", "attn", "hardening"])
     ap.add_argument("--graph-limit", type=int, default=20, help="graphs: GSM8K test prompts timed")
     ap.add_argument("--graph-temperatures", default="0,1")
-    ap.add_argument("--graph-max-len", type=int, default=1024)
+    ap.add_argument("--graph-verifiers", default="token,block", help="graphs: sampled verifiers timed")
     ap.add_argument("--graph-device", default="cuda", help="graphs: cpu runs the same stage eagerly (a dry run)")
     ap.add_argument("--check-prompts", type=int, default=6)
     ap.add_argument("--check-dtypes", type=int, default=2, help="graphs: 2 = fp32 and bf16 checks, 1 = bf16 only")

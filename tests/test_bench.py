@@ -120,29 +120,32 @@ def test_side_by_side_pairs_prompts_and_rotates(monkeypatch):
     from dflash2.benchmark import speed as sp
     calls = []
 
-    def fake_generate(target, proposer, ids, sampling, width, verify_method):
-        calls.append((ids[0], width, verify_method, sampling.seed))
-        assert (proposer is None) == (width == 1)
-        secs = 2.0 if proposer is None else 1.0          # the draft doubles tokens/s
-        steps = 10 if proposer is None else 4
-        return SimpleNamespace(completion_tokens=10, verify_steps=steps, total_s=secs,
-                               accept_hist=[0] * (width - 1) + [steps])
+    class FakeEngine:  # one per config: the batch-1 engine with one slot
+        def __init__(self, target, draft, cfg):
+            assert cfg.max_running_requests == 1 and cfg.speculative == (draft is not None)
+            self.width = cfg.num_draft_tokens if draft is not None else 1
+
+        def generate(self, prompts, sampling):
+            calls.append((prompts[0][0], self.width, sampling.seed))
+            secs = 2.0 if self.width == 1 else 1.0          # the draft doubles tokens/s
+            steps = 10 if self.width == 1 else 4
+            return [SimpleNamespace(completion_tokens=10, verify_steps=steps, total_s=secs,
+                                    accept_hist=[0] * (self.width - 1) + [steps])]
 
     class T:
-        tokenizer = embed = lm_head_weight = None
-        def set_layer_ids(self, ids): pass
+        tokenizer = None
+        config = SimpleNamespace(max_position_embeddings=2048)
 
     class D:
         class config:
             target_layer_ids = [0]
-    monkeypatch.setattr(sp, "speculative_generate", fake_generate)
+    monkeypatch.setattr(sp, "LLMEngine", FakeEngine)
     monkeypatch.setattr(sp, "render", lambda tok, p: [int(p)])
-    monkeypatch.setattr(sp, "DFlashProposer", lambda *a: object())
     rows = sp.side_by_side(T(), D(), ["7", "8", "9"], widths=(5, 8), temperatures=(0.0,), verifies=("block",))
     warm, calls = calls[:3], calls[3:]                  # one untimed short run of each config first
     assert [(c[0], c[1]) for c in warm] == [(7, 1), (7, 5), (7, 8)]
     assert [(c[0], c[1]) for c in calls] == [(7, 1), (7, 5), (7, 8), (8, 5), (8, 8), (8, 1), (9, 8), (9, 1), (9, 5)]
-    assert {c[3] for c in calls if c[0] == 8} == {1}     # same seed for every config of a prompt
+    assert {c[2] for c in calls if c[0] == 8} == {1}     # same seed for every config of a prompt
     assert [r.name for r in rows] == ["target T=0.0", "dflash2 w=5 block T=0.0", "dflash2 w=8 block T=0.0"]
     assert rows[0].tokens_per_s == pytest.approx(30 / 6.0) and rows[0].prompts == 3
     assert rows[1].speedup == pytest.approx(2.0) and rows[1].accept_length == pytest.approx(30 / 12)

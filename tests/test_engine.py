@@ -50,6 +50,9 @@ def test_auto_picks_paged_on_cpu(llama):
     t, d = llama
     eng = LLMEngine(t, d, EngineConfig(max_running_requests=2))
     assert isinstance(eng.runner, ModelRunner)
+    # one slot (batch-1 decoding) takes the static runner on the CPU too: no per-step cache rebuild
+    assert isinstance(LLMEngine(t, d, EngineConfig(max_running_requests=1)).runner, GraphModelRunner)
+    assert isinstance(LLMEngine(t, d, EngineConfig(max_running_requests=1, runner="paged")).runner, ModelRunner)
     assert isinstance(LLMEngine(t, d, EngineConfig(max_running_requests=2, runner="static")).runner, GraphModelRunner)
     with pytest.raises(ValueError, match="runner must be"):
         EngineConfig(runner="fast")
@@ -64,7 +67,7 @@ def test_static_runner_greedy_equals_target(arch, width):
     eng, reqs = _run(t, draft, prompts, "static", width=width if draft is not None else 2)
     for p, r in zip(prompts, reqs):
         assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
-    assert eng.runner.occupant == [] and eng.bm.num_free == eng.bm.num_blocks
+    assert eng.runner.occupant == [] and eng.runner.kv.num_free == eng.runner.kv.num_blocks == 3
 
 
 @pytest.mark.parametrize("block", [False, True])
@@ -90,17 +93,19 @@ def test_mixed_batch_greedy_rows_equal_target(llama):
         assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
 
 
-def test_static_runner_preemption_and_slot_moves(llama):
-    """A KV budget too small for all three running requests: the newest is preempted and
-    re-prefilled into another slot; finished requests' slots are refilled by moving the last one."""
+def test_preemption_and_slot_moves(llama):
+    """A paged KV budget too small for all three running requests: the newest is preempted and
+    re-prefilled later. The static runner's budget is its slots (the page budget does not apply), so
+    nothing is preempted there; finished requests' slots are refilled by moving the last one."""
     t, d = llama
     prompts = _prompts(9, seed=5)
-    eng, reqs = _run(t, d, prompts, "static", max_total_tokens=96, max_new=(40, 33, 45))
+    eng, paged = _run(t, d, prompts, "paged", max_total_tokens=96, max_new=(40, 33, 45))
     assert eng.stats.preemptions > 0
-    for p, r in zip(prompts, reqs):
-        assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
-    # the draft saw the same context as in the paged runner: the same drafts were accepted
-    _, paged = _run(t, d, prompts, "paged", max_total_tokens=96, max_new=(40, 33, 45))
+    eng, reqs = _run(t, d, prompts, "static", max_total_tokens=96, max_new=(40, 33, 45))
+    assert eng.stats.preemptions == 0 and eng.pool_usage() == (0, 3)
+    for p, r, q in zip(prompts, reqs, paged):
+        assert r.output_ids == q.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
+    # the draft saw the same context in both runners, re-prefilled or not: the same drafts were accepted
     assert [r.accept_hist for r in reqs] == [r.accept_hist for r in paged]
 
 
@@ -143,7 +148,7 @@ def test_static_runner_kv_buckets(llama, monkeypatch):
     """Requests grow across a short attention prefix (24 positions) and the whole buffer: steps
     switch from the prefix graphs to the full ones, output unchanged (greedy = the target's)."""
     from dflash2.engine import graph_runner
-    monkeypatch.setattr(graph_runner, "KV_BUCKETS", (24, 40))
+    monkeypatch.setattr(graph_runner, "KV_BUCKETS_EAGER", (24, 40))
     t, d = llama
     prompts = _prompts(6, seed=8)
     eng, reqs = _run(t, d, prompts, "static", max_new=(40, 9, 30))

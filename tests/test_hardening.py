@@ -322,14 +322,15 @@ def test_engine_loop_survives_failing_steps(llama, monkeypatch):
         real_reserve = eng.scheduler.reserve_step
         state = {"armed": True}
 
-        def reserve():
-            if state["armed"] and eng.scheduler.running and any(r.output_ids for r in eng.scheduler.running):
+        victims = [_req([5, 6, 7, 8], n=40) for _ in range(2)]
+
+        def reserve():  # once both victims are running (they are added one after the other)
+            if state["armed"] and all(r.output_ids and r in eng.scheduler.running for r in victims):
                 state["armed"] = False
                 raise RuntimeError("scheduler broke")
             return real_reserve()
 
         monkeypatch.setattr(eng.scheduler, "reserve_step", reserve)
-        victims = [_req([5, 6, 7, 8], n=40) for _ in range(2)]
         for r in victims:
             eng.add_request(r)
         _wait(victims)

@@ -13,25 +13,24 @@ DEMO_QUESTION = ("A baker makes 24 muffins in the morning and 18 muffins in the 
                  "and gives 5 to her neighbour. How many muffins does she have left?")  # not from GSM8K
 
 
+def one_slot_engine(target, draft, width: int, args, max_tokens: int):
+    """Batch-1 decoding: the serving engine with one slot (static buffers, CUDA graphs on CUDA; the
+    same step as serving), its context sized to the longest request it will run."""
+    from .engine.engine import EngineConfig, LLMEngine
+    ctx = min(max_tokens + 1, int(getattr(target.config, "max_position_embeddings", max_tokens + 1)))
+    cfg = EngineConfig.for_models(target, draft, width, context_length=ctx, max_running_requests=1,
+                                  block_verification=args.speculative_use_block_verification,
+                                  disable_cuda_graph=args.disable_cuda_graph, chunked_prefill_size=-1)
+    return LLMEngine(target, draft, cfg)
+
+
 def cmd_generate(args) -> int:
-    from .engine import DFlashProposer, speculative_generate
-    from .engine.static_decode import maybe_static_decoder
     from .training.data import render
 
     target, draft, width = load_models(args)
     sp = sampling_from(args)
     ids = render(target.tokenizer, args.prompt)
-    method = "block" if args.speculative_use_block_verification else None
-    static = maybe_static_decoder(target, draft, width, args.cuda_graph_max_len, args.disable_cuda_graph)
-    if static is not None and not static.fits(len(ids), sp.max_new_tokens):
-        warnings.warn(f"prompt ({len(ids)}) + --max-new-tokens ({sp.max_new_tokens}) exceed --cuda-graph-max-len "
-                      f"{static.max_len}: running eagerly")
-        static = None
-    if static is not None:
-        r = static.generate(ids, sp, verify_method=method)
-    else:
-        proposer = DFlashProposer(draft, target.embed, target.lm_head_weight) if draft is not None else None
-        r = speculative_generate(target, proposer, ids, sp, width=width, verify_method=method)
+    r = one_slot_engine(target, draft, width, args, len(ids) + sp.max_new_tokens).generate([ids], sp)[0]
     text = target.tokenizer.decode(r.token_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({"text": text, "token_ids": r.token_ids, "completion_tokens": r.completion_tokens,
@@ -53,7 +52,6 @@ def cmd_inspect(args) -> int:
 
 def cmd_run(args) -> int:
     """The main job: the default target + shipped drafter on a GSM8K-style question, beside the target alone."""
-    from .engine import DFlashProposer, speculative_generate
     from .training.data import GSM8K_SUFFIX, render
     from .verification import SamplingParams
 
@@ -62,9 +60,12 @@ def cmd_run(args) -> int:
     target, draft, width = load_models(args)
     ids = render(target.tokenizer, f"{args.question}\n{GSM8K_SUFFIX}")
     sp = SamplingParams(max_new_tokens=args.max_new_tokens)
-    speculative_generate(target, None, ids[:16], SamplingParams(max_new_tokens=4), width=1)  # warm-up
-    base = speculative_generate(target, None, ids, sp, width=1)
-    spec = speculative_generate(target, DFlashProposer(draft, target.embed, target.lm_head_weight), ids, sp, width=width)
+    plain = one_slot_engine(target, None, 1, args, len(ids) + sp.max_new_tokens)
+    dflash = one_slot_engine(target, draft, width, args, len(ids) + sp.max_new_tokens)
+    for eng in (plain, dflash):  # warm-up: first-call costs stay out of both rows
+        eng.generate([ids[:16]], SamplingParams(max_new_tokens=4))
+    base = plain.generate([ids], sp)[0]
+    spec = dflash.generate([ids], sp)[0]
     print("\n" + target.tokenizer.decode(spec.token_ids, skip_special_tokens=True).strip() + "\n")
     print(f"target alone : {base.completion_tokens} tokens in {base.total_s:.2f}s = {base.tokens_per_s:.1f} tokens/s")
     print(f"DFlash2 w={width} : {spec.completion_tokens} tokens in {spec.total_s:.2f}s = {spec.tokens_per_s:.1f} tokens/s, "

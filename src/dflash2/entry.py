@@ -48,11 +48,9 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when there is a GPU")
     ap.add_argument("--trust-remote-code", action="store_true")
     ap.add_argument("--disable-cuda-graph", action="store_true",
-                    help="on CUDA: run eagerly instead of replaying CUDA graphs over static buffers (batch 1: "
-                         "generate, bench speed; the serving engine: per batch size, else its paged runner). "
+                    help="on CUDA: run eagerly instead of replaying CUDA graphs over static buffers (per batch "
+                         "size; batch 1 is the engine with one slot), else the paged runner. "
                          "Graphs need a dense full-attention Llama/Qwen/Mistral target; others run eagerly anyway")
-    ap.add_argument("--cuda-graph-max-len", type=int, default=2048,
-                    help="prompt + new tokens + width the CUDA-graph buffers hold (batch 1)")
     ap.add_argument("--verify-manifest", default=None, help="refuse a drafter whose files fail this manifest")
     ap.add_argument("--manifest-signature", default=None)
     ap.add_argument("--manifest-public-key", default=None)

@@ -78,12 +78,9 @@ class EngineBackend:
         from ..engine.engine import EngineConfig, LLMEngine
         target, draft, width = load_models(args)
         self.tok = target.tokenizer
-        self.engine = LLMEngine(target, draft, EngineConfig(
-            max_running_requests=args.max_running_requests, speculative=draft is not None,
-            num_draft_tokens=width if draft is not None else 2,
-            block_verification=args.speculative_use_block_verification,
-            context_length=int(getattr(target.config, "max_position_embeddings", 8192)),
-            disable_cuda_graph=args.disable_cuda_graph))
+        self.engine = LLMEngine(target, draft, EngineConfig.for_models(
+            target, draft, width, max_running_requests=args.max_running_requests,
+            block_verification=args.speculative_use_block_verification, disable_cuda_graph=args.disable_cuda_graph))
         self.engine.start()
         self.args = args
 

@@ -66,13 +66,11 @@ def cmd_speed(args) -> int:
                                 disable_cuda_graph=args.disable_cuda_graph)
         engine_speed.save(rows, args.output, args.plot)
         return 0
-    from ..engine.static_decode import cuda_graphs_apply
-    use_graphs = cuda_graphs_apply(target, args.disable_cuda_graph)
-    print(f"batch 1, {'CUDA graphs over static buffers' if use_graphs else 'eager'}", flush=True)
+    print("batch 1: the engine with one slot", flush=True)
     rows = side_by_side(target, draft, prompts, widths=widths,
                         temperatures=[float(t) for t in args.temperatures.split(",")],
                         max_new_tokens=args.max_new_tokens, verifies=tuple(verifiers),
-                        cuda_graph=use_graphs, max_len=args.cuda_graph_max_len)
+                        disable_cuda_graph=args.disable_cuda_graph)
     print(format_table(rows))
     if args.output:
         save_rows(rows, args.output)

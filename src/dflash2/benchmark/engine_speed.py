@@ -42,11 +42,9 @@ def measure(target, draft, prompt_ids, width: int, block: bool, concurrency: int
     key = (width if draft is not None else 1, block, concurrency, disable_cuda_graph)
     eng = (engines or {}).get(key)
     if eng is None:
-        eng = LLMEngine(target, draft, EngineConfig(max_running_requests=concurrency, speculative=draft is not None,
-                                                    num_draft_tokens=width if draft is not None else 2,
-                                                    block_verification=block, context_length=4096,
-                                                    max_total_tokens=max(65536, concurrency * 2048),
-                                                    disable_cuda_graph=disable_cuda_graph))
+        eng = LLMEngine(target, draft, EngineConfig.for_models(
+            target, draft, width, context_length=4096, max_running_requests=concurrency, block_verification=block,
+            max_total_tokens=max(65536, concurrency * 2048), disable_cuda_graph=disable_cuda_graph))
         if engines is not None:
             engines[key] = eng
     eng.stats = EngineStats(accepted_by_position=[0] * max(eng.width - 1, 0))
@@ -92,7 +90,6 @@ def run(target, draft, prompts: list[str], widths, verifiers, concurrencies, max
     rotated by k (target included), so no config is always the first after a change: on a lent,
     host-bound GPU one row's speed moved 2-3x with its place in the order. ``on_level(rows so far)``
     runs after each concurrency level, so a run cut by a time limit keeps the levels it finished."""
-    target.set_layer_ids(draft.config.target_layer_ids)
     ids = [render(target.tokenizer, p) for p in prompts]
     configs = [("target", None, 1, False)] + [(f"dflash2 w={w} {v}", draft, w, v == "block")
                                                for w in widths for v in verifiers]

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..engine import DFlashProposer, speculative_generate
-from ..engine.static_decode import StaticDecoder
+from ..engine.engine import EngineConfig, LLMEngine
 from ..training.data import gsm8k_prompts, render
 from ..verification import SamplingParams
 
@@ -54,19 +53,16 @@ class _Tally:
 
 
 def side_by_side(target, draft, prompts: list[str], widths=(5, 8), temperatures=(0.0, 1.0),
-                 max_new_tokens: int = 256, verifies=("token",), cuda_graph: bool = False,
-                 max_len: int = 2048) -> list[SpeedRow]:
-    """The target alone and every (width, verifier), batch 1, through ``speculative_generate``.
-    Paired: each prompt runs every config back to back, in an order rotated per prompt, so a
-    drift of the machine's speed (seen at 10-20% on the CPU VM) hits all configs alike instead of
-    whichever ran in that stretch. Speedup is tokens/s over the target's, same prompts and seeds.
-    ``cuda_graph``: every config, the target alone included, through a ``StaticDecoder`` (static
-    buffers, CUDA graphs captured once per config), so both sides get the same treatment."""
-    if draft is not None:
-        target.set_layer_ids(draft.config.target_layer_ids)
+                 max_new_tokens: int = 256, verifies=("token",), disable_cuda_graph: bool = False) -> list[SpeedRow]:
+    """The target alone and every (width, verifier), batch 1: each through an engine with one slot
+    (static buffers, CUDA graphs on CUDA, the target alone included, so both sides get the same
+    treatment). Paired: each prompt runs every config back to back, in an order rotated per prompt,
+    so a drift of the machine's speed (seen at 10-20% on the CPU VM) hits all configs alike instead
+    of whichever ran in that stretch. Speedup is tokens/s over the target's, same prompts and seeds."""
     prompt_ids = [render(target.tokenizer, p) for p in prompts]
+    longest = max(len(x) for x in prompt_ids) + max_new_tokens
     rows: list[SpeedRow] = []
-    static: dict = {}
+    engines: dict = {}
     for temp in temperatures:
         kw = {"temperature": temp} | ({"top_p": 0.95} if temp > 0 else {})
         configs = [(f"target T={temp}", None, 1, "greedy" if temp == 0 else "token")]
@@ -77,13 +73,12 @@ def side_by_side(target, draft, prompts: list[str], widths=(5, 8), temperatures=
         tally = {name: _Tally(name, w if d is not None else 1, vm, temp) for name, d, w, vm in configs}
 
         def generate(d, w, vm, ids, sp):
-            if cuda_graph:
-                key = (id(d), w)
-                if key not in static:
-                    static[key] = StaticDecoder(target, d, w, max_len)
-                return static[key].generate(ids, sp, verify_method=vm)
-            proposer = DFlashProposer(d, target.embed, target.lm_head_weight) if d is not None else None
-            return speculative_generate(target, proposer, ids, sp, width=w, verify_method=vm)
+            key = (w if d is not None else 1, vm == "block")
+            if key not in engines:
+                engines[key] = LLMEngine(target, d, EngineConfig.for_models(
+                    target, d, w, context_length=longest + 1, max_running_requests=1, block_verification=vm == "block",
+                    disable_cuda_graph=disable_cuda_graph, chunked_prefill_size=-1))
+            return engines[key].generate([ids], sp)[0]
 
         for name, d, w, vm in configs:  # untimed: lazy init and first-shape costs stay out of every row
             generate(d, w, vm, prompt_ids[0][:32], SamplingParams(max_new_tokens=8, **kw))

@@ -1,4 +1,5 @@
 from .proposers import DFlashProposer, Proposer
-from .speculative import GenerationResult, speculative_generate
+from .speculative import speculative_generate
+from .steps import GenerationResult
 
 __all__ = ["DFlashProposer", "Proposer", "GenerationResult", "speculative_generate"]

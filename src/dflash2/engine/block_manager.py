@@ -32,3 +32,34 @@ class BlockManager:
     def release(self, req: Request) -> None:
         self.free.extend(reversed(req.block_table))
         req.block_table = []
+
+
+class SlotManager:
+    """The static-slot runner's KV as the scheduler sees it: one slot of ``max_len`` positions per
+    running request (``block_size`` = positions of a slot), so admission counts slots, not pages."""
+
+    def __init__(self, num_slots: int, max_len: int):
+        self.num_blocks, self.block_size = num_slots, max_len
+        self.used = 0
+
+    @property
+    def num_free(self) -> int:
+        return self.num_blocks - self.used
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return 1 if num_tokens <= self.block_size else self.num_blocks + 1  # a slot holds it, or nothing does
+
+    def can_grow(self, req: Request, num_tokens: int) -> bool:
+        return num_tokens <= self.block_size and (bool(req.block_table) or self.num_free > 0)
+
+    def grow(self, req: Request, num_tokens: int) -> None:
+        if not self.can_grow(req, num_tokens):
+            raise MemoryError(f"no slot for {num_tokens} positions ({self.num_free} of {self.num_blocks} free, "
+                              f"{self.block_size} positions each)")
+        if not req.block_table:
+            req.block_table, self.used = [0], self.used + 1  # the slot itself is the runner's (req.slot)
+
+    def release(self, req: Request) -> None:
+        if req.block_table:
+            self.used -= 1
+        req.block_table = []

@@ -19,14 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_manager import BlockManager
-from .graph_runner import GraphModelRunner, static_bytes
+from ..sampling import SamplingParams
+from .block_manager import BlockManager, SlotManager
+from .graph_runner import GraphModelRunner, cuda_graphs_apply, static_bytes, static_supported
 from .model_runner import ModelRunner
 from .request import Request, prefill_ids
 from .scheduler import Scheduler
-from .speculative import eos_ids, first_token, make_generator
-from .steps import BatchSampling, Runner
-from .static_decode import cuda_graphs_apply
+from .steps import BatchSampling, GenerationResult, Runner, eos_ids, first_token, make_generator, stop_reason
 
 log = logging.getLogger("dflash2.engine")
 
@@ -53,6 +52,14 @@ class EngineConfig:
     chunked_prefill_size: int | None = None  # SGLang's flag: prompt tokens per step (-1: whole prompts;
     #                                      None: 256 on the CPU, 2048 on CUDA; docs/benchmarks.md, chunked prefill)
     stall_s: float = 120.0               # /health fails when the loop has work but has not come round for this long
+
+    @classmethod
+    def for_models(cls, target, draft, width: int, context_length: int | None = None, **fields) -> "EngineConfig":
+        """The one place an engine's config is derived from loaded models: speculative when there is a
+        drafter, at its width; the context defaults to the target's ``max_position_embeddings``."""
+        ctx = context_length or int(getattr(target.config, "max_position_embeddings", 2048))
+        return cls(speculative=draft is not None, num_draft_tokens=width if draft is not None else 2,
+                   context_length=ctx, **fields)
 
     def __post_init__(self):
         if self.max_running_requests < 1:
@@ -92,9 +99,8 @@ class LLMEngine:
         self.cfg = cfg
         self.target, self.draft = target, (draft if cfg.speculative else None)
         self.width = cfg.num_draft_tokens if self.draft is not None else 1
-        self.bm = BlockManager(cfg.max_total_tokens // cfg.page_size, cfg.page_size)
-        self.scheduler = Scheduler(self.bm, cfg.max_running_requests, self.width)
         self.runner: Runner = self._make_runner()
+        self.scheduler = Scheduler(self.runner.kv, cfg.max_running_requests, self.width)
         self.stats = EngineStats(accepted_by_position=[0] * max(self.width - 1, 0))
         self.eos = eos_ids(target)
         self.vocab_size = min(target.embed.num_embeddings, target.lm_head_weight.shape[0])
@@ -106,13 +112,17 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._stop = False
 
-    def _make_runner(self):
+    def _make_runner(self) -> Runner:
         """Static slots replayed as CUDA graphs where they apply (CUDA, a dense Llama-family target,
-        graphs not disabled, the slots fit in half the free memory); else the paged runner."""
+        graphs not disabled, the slots fit in half the free memory), and for one slot on the CPU (batch
+        1: the static forward over one slot is as fast as Hugging Face's own cache there, the paged
+        runner's per-step cache rebuild is not); else the paged runner."""
         cfg, target = self.cfg, self.target
         max_len = cfg.context_length + self.width + 1  # the last verify block may run past the context
-        static = cfg.runner == "static" or (cfg.runner == "auto" and cuda_graphs_apply(target, cfg.disable_cuda_graph))
-        if static and cfg.runner == "auto":
+        one_slot = cfg.max_running_requests == 1 and target.device.type == "cpu" and static_supported(target)
+        static = cfg.runner == "static" or (cfg.runner == "auto" and (
+            one_slot or cuda_graphs_apply(target, cfg.disable_cuda_graph)))
+        if static and cfg.runner == "auto" and target.device.type == "cuda":
             need = static_bytes(target, self.draft, cfg.max_running_requests, max_len)
             free = torch.cuda.mem_get_info()[0]
             if need > free // 2:
@@ -123,7 +133,8 @@ class LLMEngine:
         if static:
             return GraphModelRunner(target, self.draft, self.width, cfg.max_running_requests, max_len,
                                     cuda_graph=not cfg.disable_cuda_graph, block_verification=cfg.block_verification)
-        return ModelRunner(target, self.draft, self.bm, self.width, cfg.block_verification)
+        pool = BlockManager(cfg.max_total_tokens // cfg.page_size, cfg.page_size)
+        return ModelRunner(target, self.draft, pool, self.width, cfg.block_verification)
 
     # ---- API (any thread) -------------------------------------------------------------------
     def add_request(self, req: Request) -> Request:
@@ -138,11 +149,11 @@ class LLMEngine:
         if n + 1 > ctx:
             raise RequestError(f"prompt has {n} tokens; the context length is {ctx}", "prompt",
                                "context_length_exceeded")
-        need = min(n + req.sampling.max_new_tokens, ctx) + self.width + 1
-        if self.bm.blocks_for(need) > self.bm.num_blocks:
+        need, kv = min(n + req.sampling.max_new_tokens, ctx) + self.width + 1, self.runner.kv
+        if kv.blocks_for(need) > kv.num_blocks:
+            held = kv.block_size if isinstance(kv, SlotManager) else kv.num_blocks * kv.block_size
             raise RequestError(f"prompt ({n} tokens) + max_tokens ({req.sampling.max_new_tokens}) need {need} KV "
-                               f"positions; the KV pool holds {self.bm.num_blocks * self.bm.block_size}",
-                               "max_tokens", "context_length_exceeded")
+                               f"positions; the KV pool holds {held}", "max_tokens", "context_length_exceeded")
         req.generator = make_generator(req.sampling.seed)
         req.accept_hist = [0] * self.width
         with self.lock:
@@ -204,6 +215,18 @@ class LLMEngine:
         while self.has_work():
             self.step()
 
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
+        """Offline generation (vLLM's ``LLM.generate``; the engine thread must not be running): every
+        prompt through the engine, results in order, timed from when each was added. Batch 1 is one
+        prompt at a time through an engine with one slot."""
+        sps = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        reqs = [self.add_request(Request(list(p), sp)) for p, sp in zip(prompts, sps)]
+        self.run_until_done()
+        for r in reqs:
+            if r.finish_reason == "error":
+                raise RuntimeError(f"request {r.request_id} failed: {r.error}")
+        return [r.result() for r in reqs]
+
     # ---- one step ---------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
@@ -255,6 +278,8 @@ class LLMEngine:
         s = self.stats
         for r, tokens, n in zip(reqs, out.tokens, out.num_accepted):
             r.verify_steps += 1
+            r.draft_s += out.draft_s
+            r.verify_s += out.verify_s
             r.accept_hist[n] += 1
             s.verify_steps += 1
             for i in range(n):
@@ -298,9 +323,10 @@ class LLMEngine:
         for tok in tokens:
             req.output_ids.append(tok)
             new.append(tok)
-            if (tok in self.eos and not sp.ignore_eos) or tok in sp.stop_token_ids:
-                reason, req.matched_stop = "stop", tok
-            elif len(req.output_ids) >= sp.max_new_tokens or len(req.all_ids) >= self.cfg.context_length:
+            reason = stop_reason(tok, len(req.output_ids), sp, self.eos)
+            if reason == "stop":
+                req.matched_stop = tok
+            elif reason is None and len(req.all_ids) >= self.cfg.context_length:
                 reason = "length"
             elif req.stop_strings and (hit := self._hits_stop_string(req)) is not None:
                 reason, req.matched_stop = "stop", hit
@@ -348,4 +374,6 @@ class LLMEngine:
 
     # ---- introspection ------------------------------------------------------------------------
     def pool_usage(self) -> tuple[int, int]:
-        return self.bm.num_blocks - self.bm.num_free, self.bm.num_blocks
+        """KV in use and in all, in the runner's units (pages of the pool, or slots)."""
+        kv = self.runner.kv
+        return kv.num_blocks - kv.num_free, kv.num_blocks

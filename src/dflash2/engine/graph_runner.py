@@ -16,6 +16,7 @@ sampled, draft or verify. Same methods as :class:`ModelRunner` (the :class:`.ste
 """
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 
@@ -23,18 +24,66 @@ import torch
 
 from ..model.attention import build_block_mask
 from ..target import TargetModel
-from ..target.static_llama import StaticTarget
-from ..verification import VerifyResult
+from ..target.static_llama import StaticTarget, unsupported_reason
 from . import steps
+from .block_manager import SlotManager
 from .request import Request, prefill_ids
-from .static_decode import Replay
 from .steps import BatchSampling, StepOutput
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 ATTENTION = "sdpa"  # the target's attention over the slot buffers (StaticTarget: sdpa or matmul)
 # Attention reads whole buffers, so a step attends over the shortest of these prefixes that holds
 # every running request (on the H200 a 5-row verify took 4.6 ms over 1,029 positions, 7.3 over 4,101).
+# Each prefix is another set of graphs on CUDA; eager (the CPU) they cost nothing, so finer there.
 KV_BUCKETS = (1024,)
+KV_BUCKETS_EAGER = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class Replay:
+    """``fn()`` over static buffers: captured once as a CUDA graph (after two warm-up calls on a
+    side stream, as PyTorch requires), or called directly when graphs are off."""
+
+    def __init__(self, fn, use_graph: bool, pool=None):
+        self.fn, self.graph = fn, None
+        if use_graph:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            # Python's cyclic GC must not run inside the capture: collecting an earlier engine frees
+            # its graphs' memory, which invalidates the capture (seen on the H200 when bench speed
+            # built engine after engine). Collect now, pause it while capturing.
+            gc.collect()
+            gc.disable()
+            try:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, pool=pool):
+                    fn()
+            finally:
+                gc.enable()
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.fn()
+
+
+def static_supported(target: TargetModel) -> bool:
+    return unsupported_reason(target) is None
+
+
+def cuda_graphs_apply(target: TargetModel, disable_cuda_graph: bool = False) -> bool:
+    """Whether ``target`` is served from static slots replayed as CUDA graphs: on CUDA, a supported
+    target, graphs not disabled. Says why when a CUDA target cannot have them."""
+    if disable_cuda_graph or target.device.type != "cuda":
+        return False
+    reason = unsupported_reason(target)
+    if reason:
+        warnings.warn(f"CUDA graphs off: the static forward does not support {reason}")
+    return reason is None
 
 
 def static_bytes(target: TargetModel, draft, slots: int, max_len: int) -> int:
@@ -56,13 +105,16 @@ class GraphModelRunner:
         self.static.check()  # refuse a layout the hand-written forward does not reproduce
         dev = target.device
         self.use_graph = cuda_graph and dev.type == "cuda"
+        self.kv = SlotManager(num_slots, max_len)
         self.buckets = [b for b in BUCKETS if b < num_slots] + [num_slots]
-        self.kv_buckets = sorted({b for b in (kv_buckets or KV_BUCKETS) if b < max_len} | {max_len})
+        kv_buckets = kv_buckets or (KV_BUCKETS if self.use_graph else KV_BUCKETS_EAGER)
+        self.kv_buckets = sorted({b for b in kv_buckets if b < max_len} | {max_len})
         lng = dict(dtype=torch.long, device=dev)
         self.ids = torch.zeros(num_slots, width, **lng)    # per slot: [anchor, drafts...]
         self.start = torch.zeros(num_slots, **lng)         # per slot: the anchor's position
         self.ar = torch.arange(width, **lng)
         self.occupant: list[Request] = []                  # occupant[s] holds slot s
+        self.stale: set[int] = set()                       # slots whose anchor / position the host must write
         # per slot, for sampled batches: parameters, uniforms, and q_draft from the draft graph
         # (idle slots keep a previous occupant's values: valid inputs whose results nobody reads)
         f32 = dict(dtype=torch.float32, device=dev)
@@ -103,10 +155,13 @@ class GraphModelRunner:
                 self.graphs = {k: v for k, v in self.graphs.items() if k[2] != greedy}
 
     # ---- slots --------------------------------------------------------------------------------
-    def _index(self, reqs: list[Request]) -> tuple[torch.Tensor, int, int]:
-        """Slot of each request (a device index), the batch bucket that covers every occupied slot,
-        and the buffer prefix that holds every occupant's next block."""
-        idx = torch.tensor([r.slot for r in reqs], device=self.target.device)
+    def _index(self, reqs: list[Request]) -> tuple[torch.Tensor | slice, int, int]:
+        """Slot of each request (a slice when they are slots ``0 .. n-1`` in order, the usual case,
+        else a device index), the batch bucket that covers every occupied slot, and the buffer
+        prefix that holds every occupant's next block."""
+        slots = [r.slot for r in reqs]
+        idx: torch.Tensor | slice = slice(0, len(reqs)) if slots == list(range(len(reqs))) else \
+            torch.tensor(slots, device=self.target.device)
         n = len(self.occupant)
         end = max(r.num_committed for r in self.occupant) + self.w
         return idx, next(b for b in self.buckets if b >= n), next(k for k in self.kv_buckets if k >= end)
@@ -126,6 +181,8 @@ class GraphModelRunner:
             if self.draft is not None:
                 self.lat[:, s, :n] = self.lat[:, last, :n]
             self.occupant[s], mover.slot = mover, s
+            self.stale.add(s)
+        self.stale.discard(last)
         self.occupant.pop()
 
     # ---- the captured functions ---------------------------------------------------------------
@@ -153,7 +210,12 @@ class GraphModelRunner:
             self.lat[:, rows, pos] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
         res = steps.accept(logits, self.ids[:B, 1:], self.q_draft[:B], self._rows(B, greedy), self.block,
                            capturable=True)
-        out["n"], out["tokens"] = res.num_accepted, res.tokens
+        out["rows"] = steps.result_rows(res)
+        # the next step's anchor and position, in place (the host writes them only for stale slots); an
+        # idle row's position stops where its block still fits the buffer
+        n = res.num_accepted
+        self.ids[:B, 0] = res.tokens.gather(1, n[:, None])[:, 0]
+        self.start[:B] = (self.start[:B] + n + 1).clamp_(max=self.max_len - self.w)
 
     def _draft_fn(self, B: int, greedy: bool, kv_len: int, out: dict) -> None:
         d, w = self.draft, self.w
@@ -192,13 +254,20 @@ class GraphModelRunner:
             pos = torch.arange(p, p + len(chunk), device=dev)
             self.lat[:, s, p:p + len(chunk)] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
         req.prefill_pos = req.num_committed = p + len(chunk)
+        self.stale.add(s)
         return logits[-1] if req.prefill_pos == len(ids) else None
 
-    def _load(self, reqs: list[Request], blocks: torch.Tensor, sampling: BatchSampling | None):
-        """Each request's block (or anchor), position and sampling rows into its slot."""
+    def _load(self, reqs: list[Request], sampling: BatchSampling | None):
+        """The anchor and position of each stale slot (a new request, or one moved), and every
+        request's sampling rows, into the slot buffers."""
         idx, B, kv_len = self._index(reqs)
-        self.ids[idx, :blocks.shape[1]] = blocks
-        self.start[idx] = torch.tensor([r.num_committed for r in reqs], device=idx.device)
+        stale = [r for r in reqs if r.slot in self.stale]
+        if stale:
+            dev = self.ids.device
+            at = torch.tensor([r.slot for r in stale], device=dev)
+            self.ids[at, 0] = torch.tensor([r.all_ids[-1] for r in stale], device=dev)
+            self.start[at] = torch.tensor([r.num_committed for r in stale], device=dev)
+            self.stale.difference_update(r.slot for r in stale)
         if sampling is not None:
             for f in BatchSampling.__dataclass_fields__:
                 getattr(self.sampling, f)[idx] = getattr(sampling, f).to(getattr(self.sampling, f).dtype)
@@ -208,17 +277,17 @@ class GraphModelRunner:
     def step(self, reqs: list[Request], sampling: BatchSampling | None) -> StepOutput:
         """Two replays: the draft block + selector walk writes the drafts beside the anchors in the
         slots' id buffer (and q_draft into its slot buffer); the verify graph runs the target over
-        them, writes K/V and draft latents in place and runs the verifier. A commit only counts."""
+        them, writes K/V and draft latents in place, runs the verifier and moves each slot's anchor
+        and position on. One read-back; a commit only counts."""
         t0 = time.perf_counter()
-        anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=self.ids.device)
-        idx, B, kv_len = self._load(reqs, anchors[:, None], sampling)
+        idx, B, kv_len = self._load(reqs, sampling)
         greedy = sampling is None
         if self.w > 1:
             self._graph("draft", B, greedy, kv_len)[0]()
         t1 = time.perf_counter()
         replay, out = self._graph("verify", B, greedy, kv_len)
         replay()
-        res = steps.finish_step(VerifyResult(out["n"][idx], out["tokens"][idx]), t0, t1)
+        res = steps.finish_step(out["rows"][idx], t0, t1)
         for r, tokens in zip(reqs, res.tokens):
             r.num_committed += len(tokens)
         return res

@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..verification import SamplingParams
+from ..sampling import SamplingParams
+from .steps import GenerationResult
 
 _ids = itertools.count()
 
@@ -45,6 +46,8 @@ class Request:
     target_state: Any = None                # per-request target state (hybrid targets)
     slot: int | None = None                 # its slot in the static-buffer runner, while it holds one
     prefill_pos: int = 0                    # tokens of prefill_ids(self) in the runner so far (chunked prefill)
+    draft_s: float = 0.0                    # its steps' draft and verify time (a batched step counts in full)
+    verify_s: float = 0.0
 
     @property
     def all_ids(self) -> list[int]:
@@ -65,6 +68,13 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def result(self) -> GenerationResult:
+        """What :func:`.speculative.speculative_generate` returns for the same request."""
+        done = self.finished_at or time.perf_counter()
+        return GenerationResult(list(self.output_ids), len(self.output_ids), self.verify_steps, list(self.accept_hist),
+                                self.finish_reason or "length", (self.first_token_at or done) - self.arrival,
+                                self.draft_s, self.verify_s, done - self.arrival)
 
 
 def prefill_ids(req: Request) -> list[int]:

@@ -1,15 +1,16 @@
 """Continuous batching: admit waiting requests as others finish, preempt the newest when the
-KV pool runs out (recompute preemption: it is requeued and re-prefilled later)."""
+KV pool runs out (recompute preemption: it is requeued and re-prefilled later). The KV is the
+runner's (:class:`.steps.KVManager`): pages of the paged runner's pool, or the static runner's slots."""
 from __future__ import annotations
 
 from collections import deque
 
-from .block_manager import BlockManager
+from .steps import KVManager
 from .request import Request, Status
 
 
 class Scheduler:
-    def __init__(self, bm: BlockManager, max_running: int, width: int):
+    def __init__(self, bm: KVManager, max_running: int, width: int):
         self.bm, self.max_running, self.width = bm, max_running, width
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

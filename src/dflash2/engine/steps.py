@@ -1,7 +1,9 @@
-"""The math of one batched speculative step, shared by both model runners: the paged runner
-calls these eagerly, the static-slot runner inside its CUDA graphs (``capturable=True``: no
-host reads). Greedy batches need only argmaxes; sampled ones carry per-request parameters and
-uniforms as ``[B]`` / ``[B, n]`` tensors (:class:`BatchSampling`)."""
+"""The pieces of one speculative step, defined once and shared by the engine's runners and the
+reference loop (:func:`.speculative.speculative_generate`): the draw order of a request's
+uniforms, the first token, the stop rule, the verifier choice, and the batched propose / accept
+math. The paged runner calls these eagerly, the static-slot runner inside its CUDA graphs
+(``capturable=True``: no host reads). Greedy batches need only argmaxes; sampled ones carry
+per-request parameters and uniforms as ``[B]`` / ``[B, n]`` tensors (:class:`BatchSampling`)."""
 from __future__ import annotations
 
 import time
@@ -11,9 +13,86 @@ from typing import Protocol
 import torch
 
 from ..model.context_cache import greedy_walk
-from ..verification import VerifyResult, block_verify, greedy_verify, probs_from_logits, token_level_verify
+from ..sampling import SamplingParams, probs_from_logits, sample_from_probs
+from ..verification import VerifyResult, block_verify, greedy_verify, token_level_verify
+
+VERIFY_METHODS = ("greedy", "token", "block")
 
 
+# ---- per request ----------------------------------------------------------------------------------
+def make_generator(seed: int | None) -> torch.Generator:
+    gen = torch.Generator()
+    gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    return gen
+
+
+def draw_uniforms(gen: torch.Generator, g: int) -> torch.Tensor:
+    """A request's uniforms for one step of ``g`` drafts, in the one draw order: the selector's ``g``,
+    the verifier's ``g`` acceptance draws, then the emitted token's draw (``[2g + 1]``)."""
+    return torch.cat([torch.rand(g, generator=gen), torch.rand(g, generator=gen), torch.rand(1, generator=gen)])
+
+
+def first_token(logits_row: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> int:
+    """The token the prefill emits, from the prompt's last logits row (one uniform of ``gen``)."""
+    p_last = probs_from_logits(logits_row, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+    return int(sample_from_probs(p_last, torch.rand((), generator=gen).to(p_last.device)))
+
+
+def eos_ids(target) -> set[int]:
+    ids = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
+    ids = ids if ids is not None else getattr(target.config, "eos_token_id", None)
+    if ids is None:
+        return set()
+    return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}
+
+
+def stop_reason(tok: int, num_out: int, sampling: SamplingParams, eos: set[int]) -> str | None:
+    """The stop rule after appending ``tok`` as output token number ``num_out``: "stop" at EOS (unless
+    ``ignore_eos``) or a stop id, "length" at ``max_new_tokens``, else None. (The engine adds its
+    context length and stop strings.)"""
+    if (tok in eos and not sampling.ignore_eos) or tok in sampling.stop_token_ids:
+        return "stop"
+    return "length" if num_out >= sampling.max_new_tokens else None
+
+
+def resolve_verify_method(sampling: SamplingParams, verify_method: str | None) -> str:
+    """The verifier to use (default: greedy at temperature 0, token-level otherwise), checked."""
+    if verify_method is None:
+        verify_method = "greedy" if sampling.greedy else "token"
+    if verify_method not in VERIFY_METHODS:
+        raise ValueError(f"verify_method must be one of {VERIFY_METHODS}, got {verify_method!r}")
+    if verify_method == "greedy" and not sampling.greedy:
+        raise ValueError("the greedy verifier is only lossless at temperature 0")
+    return verify_method
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    completion_tokens: int                       # C (the first token, from prefill, included)
+    verify_steps: int                            # V (target forwards after prefill)
+    accept_hist: list[int] = field(default_factory=list)  # accept_hist[n] = steps that accepted n drafts
+    finish_reason: str = "length"                # "stop" (EOS / stop token) or "length"
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def accept_length(self) -> float:
+        return self.completion_tokens / max(self.verify_steps, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def per_position_acceptance(self) -> list[float]:
+        """Fraction of steps whose draft position i (1-based) was accepted."""
+        from ..benchmark.metrics import per_position
+        return per_position(self.accept_hist)
+
+
+# ---- per batch ------------------------------------------------------------------------------------
 @dataclass
 class BatchSampling:
     temperature: torch.Tensor  # [B] float (0: a greedy row in a sampled batch)
@@ -25,15 +104,17 @@ class BatchSampling:
     emit_u: torch.Tensor       # [B] the draw of the emitted token
 
     @classmethod
+    def of(cls, params: list[SamplingParams], uniforms: torch.Tensor, device) -> "BatchSampling":
+        """Rows of ``params`` with their uniforms ``[B, 2g + 1]`` (in :func:`draw_uniforms`' order)."""
+        cols = [torch.tensor([getattr(sp, f) for sp in params], device=device)
+                for f in ("temperature", "top_k", "top_p", "min_p")]
+        u, g = uniforms.to(device), (uniforms.shape[1] - 1) // 2
+        return cls(cols[0].float(), cols[1], cols[2].float(), cols[3].float(), u[:, :g], u[:, g:2 * g], u[:, 2 * g])
+
+    @classmethod
     def draw(cls, reqs, g: int, device) -> "BatchSampling":
-        """Parameters of each request, and its uniforms from its own generator in the order the
-        single-request loop uses (propose g, accept g, emit 1), so a seed gives the same tokens."""
-        params = [torch.tensor([getattr(r.sampling, f) for r in reqs], device=device)
-                  for f in ("temperature", "top_k", "top_p", "min_p")]
-        u = torch.stack([torch.cat([torch.rand(g, generator=r.generator), torch.rand(g, generator=r.generator),
-                                    torch.rand(1, generator=r.generator)]) for r in reqs]).to(device)
-        return cls(params[0].float(), params[1], params[2].float(), params[3].float(),
-                   u[:, :g], u[:, g:2 * g], u[:, 2 * g])
+        """Each request's parameters and this step's uniforms from its own generator."""
+        return cls.of([r.sampling for r in reqs], torch.stack([draw_uniforms(r.generator, g) for r in reqs]), device)
 
     def params(self) -> tuple[torch.Tensor, ...]:
         return self.temperature, self.top_k, self.top_p, self.min_p
@@ -51,8 +132,29 @@ class StepOutput:
         self.num_accepted = [len(t) - 1 for t in self.tokens]
 
 
+class KVManager(Protocol):
+    """A runner's KV memory as the scheduler sees it: pages of a pool, or whole slots."""
+    num_blocks: int
+    block_size: int
+
+    @property
+    def num_free(self) -> int: ...
+
+    def blocks_for(self, num_tokens: int) -> int: ...
+
+    def can_grow(self, req, num_tokens: int) -> bool: ...
+
+    def grow(self, req, num_tokens: int) -> None: ...
+
+    def release(self, req) -> None: ...
+
+
 class Runner(Protocol):
     """What the engine asks of a model runner (width and verifier are fixed when it is built)."""
+    use_graph: bool  # whether its steps replay CUDA graphs
+
+    @property
+    def kv(self) -> KVManager: ...  # what the scheduler admits and reserves against: pages or slots
 
     def prefill(self, req, max_tokens: int | None = None) -> torch.Tensor | None: ...
 
@@ -61,11 +163,16 @@ class Runner(Protocol):
     def release(self, req) -> None: ...
 
 
-def finish_step(res: VerifyResult, t0: float, t1: float) -> StepOutput:
-    """One read-back of the verifier's result for the whole batch, split per request."""
-    keep = (res.num_accepted + 1).tolist()
-    rows = res.tokens.tolist()
-    return StepOutput([row[:k] for row, k in zip(rows, keep)], t1 - t0, time.perf_counter() - t1)
+def finish_step(rows: torch.Tensor, t0: float, t1: float) -> StepOutput:
+    """One read-back of the batch's ``[B, g + 2]`` rows (the verifier's tokens, then the number
+    accepted), split per request."""
+    out = rows.tolist()
+    return StepOutput([row[:row[-1] + 1] for row in out], t1 - t0, time.perf_counter() - t1)
+
+
+def result_rows(res: VerifyResult) -> torch.Tensor:
+    """The verifier's result as the rows :func:`finish_step` reads back in one transfer."""
+    return torch.cat([res.tokens, res.num_accepted[:, None]], dim=1)
 
 
 def propose(draft, hidden: torch.Tensor, anchors: torch.Tensor, lm_head_weight: torch.Tensor,
@@ -82,8 +189,8 @@ def propose(draft, hidden: torch.Tensor, anchors: torch.Tensor, lm_head_weight: 
 
 def accept(logits: torch.Tensor, drafts: torch.Tensor, q_draft: torch.Tensor | None,
            sampling: BatchSampling | None, block: bool, capturable: bool = False) -> VerifyResult:
-    """The verifier over the target's ``logits [B, g+1, V]``: greedy for a greedy batch, else
-    token-level or block verification against the processed ``p_target``."""
+    """The verifier choice, made here only: over the target's ``logits [B, g+1, V]``, greedy for a
+    greedy batch, else token-level or block verification against the processed ``p_target``."""
     if sampling is None:
         return greedy_verify(drafts, logits)
     if q_draft is None:

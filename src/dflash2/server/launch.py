@@ -121,13 +121,13 @@ def cmd_serve(args) -> int:
     if args.chat_template:
         path = Path(args.chat_template)
         target.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
-    ctx = args.context_length or int(getattr(target.config, "max_position_embeddings", 2048))
-    cfg = EngineConfig(max_running_requests=args.max_running_requests, speculative=draft is not None,
-                       num_draft_tokens=width if draft is not None else 2,
-                       block_verification=args.speculative_use_block_verification, context_length=ctx,
-                       max_total_tokens=kv_budget_tokens(args, target), page_size=args.page_size,
-                       disable_cuda_graph=args.disable_cuda_graph, runner=args.model_runner,
-                       chunked_prefill_size=args.chunked_prefill_size)
+    cfg = EngineConfig.for_models(target, draft, width, context_length=args.context_length,
+                                  max_running_requests=args.max_running_requests,
+                                  block_verification=args.speculative_use_block_verification,
+                                  max_total_tokens=kv_budget_tokens(args, target), page_size=args.page_size,
+                                  disable_cuda_graph=args.disable_cuda_graph, runner=args.model_runner,
+                                  chunked_prefill_size=args.chunked_prefill_size)
+    ctx = cfg.context_length
     engine = LLMEngine(target, draft, cfg)
     engine.start()
     name = args.served_model_name or (args.model_path or "SmolLM2-135M-Instruct")
@@ -135,7 +135,7 @@ def cmd_serve(args) -> int:
     app = create_app(engine, target.tokenizer, name, ctx, args.reasoning_parser, parser, api_key=args.api_key,
                      server_args={k: v for k, v in vars(args).items() if k not in ("fn", "api_key")})
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
-    graphs = "CUDA graphs over static slots" if getattr(engine.runner, "use_graph", False) else "eager"
+    graphs = "CUDA graphs over static slots" if engine.runner.use_graph else "eager"
     print(f"dflash2 serving {name} on http://{args.host}:{args.port} (width {engine.width}, "
           f"{cfg.max_total_tokens} KV tokens, max {cfg.max_running_requests} running, {graphs})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -1,5 +1,5 @@
-"""The static-buffer decoder (CUDA-graph path) run eagerly on the CPU: same tokens as the
-dynamic loop and as the target alone."""
+"""The static forward, and batch-1 decoding through the engine with one slot (the CUDA-graph runner,
+run eagerly on the CPU): same tokens as the reference loop and as the target alone."""
 import warnings
 
 import pytest
@@ -8,7 +8,8 @@ import torch
 from targets import VOCAB, build
 from test_speculative import hf_greedy, random_draft
 from dflash2.engine import speculative_generate
-from dflash2.engine.static_decode import StaticDecoder
+from dflash2.engine.engine import EngineConfig, LLMEngine, RequestError
+from dflash2.engine.graph_runner import GraphModelRunner, cuda_graphs_apply
 from dflash2.target import TargetModel
 from dflash2.target.static_llama import StaticTarget, unsupported_reason
 from dflash2.verification import SamplingParams
@@ -50,80 +51,84 @@ def test_static_forward_refuses_other_layouts():
         StaticTarget(t, 64)
 
 
+def _one_slot(t, draft, width=5, block=False, context_length=96):
+    """Batch-1 decoding as ``generate`` / ``run`` / ``bench speed`` do it: the engine with one slot."""
+    eng = LLMEngine(t, draft, EngineConfig.for_models(t, draft, width, context_length=context_length,
+                                                      max_running_requests=1, block_verification=block))
+    assert isinstance(eng.runner, GraphModelRunner)  # one slot on the CPU: static buffers, eager
+    return eng
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("width", [4, 8])
-def test_static_greedy_equals_dynamic_loop_and_target(arch, width):
+def test_one_slot_greedy_equals_reference_loop_and_target(arch, width):
     t = TargetModel(build(arch, seed=width), layer_ids=[0, 2])
     prop = random_draft(t, width)
-    dec = StaticDecoder(t, prop.draft, width=width, max_len=96, cuda_graph=False)
-    plain = StaticDecoder(t, None, max_len=96, cuda_graph=False)
+    dec, plain = _one_slot(t, prop.draft, width), _one_slot(t, None, 1)
     g = torch.Generator().manual_seed(width)
     for k in range(3):
         prompt = torch.randint(3, VOCAB, (int(torch.randint(3, 12, (), generator=g)),), generator=g)
         sp = SamplingParams(max_new_tokens=40)
         ref = hf_greedy(t, prompt, 40)
         dyn = speculative_generate(t, prop, prompt, sp, width=width)
-        r = dec.generate(prompt, sp)
+        r = dec.generate([prompt.tolist()], sp)[0]
         assert r.token_ids == ref == dyn.token_ids
         assert r.accept_hist == dyn.accept_hist  # same drafts, same acceptances, step for step
-        assert plain.generate(prompt, sp).token_ids == ref
+        assert r.finish_reason == dyn.finish_reason and r.completion_tokens == len(ref)
+        assert plain.generate([prompt.tolist()], sp)[0].token_ids == ref
 
 
 @pytest.mark.parametrize("method", ["token", "block"])
-def test_static_sampled_equals_dynamic_loop(method):
-    """Same seed, same uniforms in the same order: the sampled tokens are the dynamic loop's."""
+def test_one_slot_sampled_equals_reference_loop(method):
+    """Same seed, same uniforms in the same order: the sampled tokens are the reference loop's."""
     t = TargetModel(build("llama", seed=5), layer_ids=[0, 2])
     prop = random_draft(t, 1)
-    dec = StaticDecoder(t, prop.draft, width=5, max_len=96, cuda_graph=False)
-    plain = StaticDecoder(t, None, max_len=96, cuda_graph=False)
+    dec, plain = _one_slot(t, prop.draft, 5, block=method == "block"), _one_slot(t, None, 1)
     for k in range(3):
         prompt = torch.randint(3, VOCAB, (7,), generator=torch.Generator().manual_seed(k))
         sp = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=40, seed=k, ignore_eos=True)
         dyn = speculative_generate(t, prop, prompt, sp, width=5, verify_method=method)
-        r = dec.generate(prompt, sp, verify_method=method)
+        r = dec.generate([prompt.tolist()], sp)[0]
         assert r.token_ids == dyn.token_ids and r.accept_hist == dyn.accept_hist
         base = speculative_generate(t, None, prompt, sp, width=1)
-        assert plain.generate(prompt, sp).token_ids == base.token_ids
+        assert plain.generate([prompt.tolist()], sp)[0].token_ids == base.token_ids
 
 
-def test_static_decoder_refuses_too_long():
+def test_one_slot_refuses_too_long():
     t = TargetModel(build("llama"), layer_ids=[0, 2])
-    dec = StaticDecoder(t, None, max_len=32, cuda_graph=False)
-    with pytest.raises(ValueError, match="max_len 32"):
-        dec.generate(torch.arange(3, 23), SamplingParams(max_new_tokens=16))
+    with pytest.raises(RequestError, match="context length is 16"):
+        _one_slot(t, None, 1, context_length=16).generate([list(range(3, 23))], SamplingParams(max_new_tokens=4))
 
 
-class _OracleStatic(StaticDecoder):
-    """The real draft forward and selector walk, with slot t's top candidate replaced by the
-    target's own continuation (wrong at a quarter of the positions): full blocks, partial
-    blocks and rollbacks all happen, which a random draft almost never gives."""
+class _OracleRunner(GraphModelRunner):
+    """The real draft forward and selector walk, then the drafts replaced by the target's own
+    continuation (wrong at a quarter of the positions): full blocks, partial blocks and rollbacks
+    all happen, which a random draft almost never gives."""
+    oracle = torch.zeros(1, dtype=torch.long)
 
-    def set_oracle(self, prompt_len, continuation, seed):
-        g = torch.Generator().manual_seed(seed)
-        seq = torch.zeros(self.max_len, dtype=torch.long)
-        cont = torch.tensor(continuation)
-        wrong = torch.rand(len(cont), generator=g) < 0.25
-        seq[prompt_len:prompt_len + len(cont)] = torch.where(wrong, (cont + 1) % VOCAB, cont)
-        self.oracle = seq
-
-    def _draft_forward(self):
-        super()._draft_forward()
-        want = self.oracle[self.apos + 1 + self.ar[:self.w - 1]]       # the token at each slot's position
-        self.cand[0, :, 0] = want
-        self.U[0, :, 0] = self.U[0].max() + 10.0
+    def _draft_fn(self, B, greedy, kv_len, out):
+        super()._draft_fn(B, greedy, kv_len, out)
+        self.ids[:B, 1:] = self.oracle[self.start[:B, None] + 1 + self.ar[:self.w - 1]]
 
 
 @pytest.mark.parametrize("width", [4, 8])
-def test_static_greedy_with_long_acceptances(width):
+def test_one_slot_greedy_with_long_acceptances(width, monkeypatch):
+    from dflash2.engine import engine as engine_mod
+    monkeypatch.setattr(engine_mod, "GraphModelRunner", _OracleRunner)
     t = TargetModel(build("llama", seed=1), layer_ids=[0, 2])
-    dec = _OracleStatic(t, random_draft(t, 0).draft, width=width, max_len=128, cuda_graph=False)
+    eng = LLMEngine(t, random_draft(t, 0).draft, EngineConfig(max_running_requests=1, num_draft_tokens=width,
+                                                              context_length=128))
     hist = [0] * width
     for k in range(4):
         prompt = torch.randint(3, VOCAB, (5 + k,), generator=torch.Generator().manual_seed(k))
         sp = SamplingParams(max_new_tokens=60, ignore_eos=True)
         ref = speculative_generate(t, None, prompt, sp, width=1).token_ids
-        dec.set_oracle(len(prompt), ref, k)
-        r = dec.generate(prompt, sp)
+        cont = torch.tensor(ref)
+        wrong = torch.rand(len(cont), generator=torch.Generator().manual_seed(k)) < 0.25
+        seq = torch.zeros(eng.runner.max_len + width, dtype=torch.long)
+        seq[len(prompt):len(prompt) + len(cont)] = torch.where(wrong, (cont + 1) % VOCAB, cont)
+        _OracleRunner.oracle = seq
+        r = eng.generate([prompt.tolist()], sp)[0]
         assert r.token_ids == ref
         hist = [a + b for a, b in zip(hist, r.accept_hist)]
     assert hist[0] and hist[-1] and sum(hist[2:-1])  # rejections, full blocks and partial blocks
@@ -150,9 +155,6 @@ def test_capturable_probs_equal_default_path():
     assert (probs_from_logits(flat, 1.0, torch.tensor([-1]), torch.tensor([1.0]), capturable=True) > 0).all()
 
 
-def test_static_decoder_only_on_cuda():
-    """The CLI's choice: None (the eager loop) on the CPU or when disabled."""
-    from dflash2.engine.static_decode import maybe_static_decoder
+def test_cuda_graphs_only_on_cuda():
     t = TargetModel(build("llama"), layer_ids=[0, 2])
-    assert maybe_static_decoder(t, None, 1) is None
-    assert maybe_static_decoder(t, None, 1, disable_cuda_graph=True) is None
+    assert not cuda_graphs_apply(t) and not cuda_graphs_apply(t, disable_cuda_graph=True)
