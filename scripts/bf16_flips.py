@@ -1,5 +1,6 @@
 """How often and how early bf16 rounding flips a near-tie: greedy DFlash2 vs the target alone,
 same dtype, same prompts. Usage: python scripts/bf16_flips.py N_PROMPTS MAX_NEW [dtype]"""
+
 import json
 import sys
 import warnings
@@ -24,10 +25,20 @@ for i, p in enumerate(gsm8k_test_prompts(REPO.parent / "shared/data/gsm8k/test.j
     sp = SamplingParams(max_new_tokens=max_new)
     base = speculative_generate(target, None, ids, sp, width=1).token_ids
     for w in (5, 8):
-        spec = speculative_generate(target, DFlashProposer(draft, target.embed, target.lm_head_weight), ids, sp, width=w).token_ids
+        spec = speculative_generate(
+            target, DFlashProposer(draft, target.embed, target.lm_head_weight), ids, sp, width=w
+        ).token_ids
         first = next((j for j, (a, b) in enumerate(zip(base, spec)) if a != b), None)
         rows.append({"prompt": i, "width": w, "identical": spec == base, "first_divergence": first, "len": len(base)})
         print(rows[-1], flush=True)
 flips = [r for r in rows if not r["identical"]]
-print(json.dumps({"dtype": dtype, "runs": len(rows), "diverged": len(flips),
-                  "first_divergence": sorted(r["first_divergence"] for r in flips if r["first_divergence"] is not None)}))
+print(
+    json.dumps(
+        {
+            "dtype": dtype,
+            "runs": len(rows),
+            "diverged": len(flips),
+            "first_divergence": sorted(r["first_divergence"] for r in flips if r["first_divergence"] is not None),
+        }
+    )
+)

@@ -1,5 +1,6 @@
 """CPU acceptance of the shipped drafter on GSM8K test, one config per line of JSON.
 Usage: python scripts/cpu_acceptance.py LIMIT OUT.jsonl THREADS [w:verify:T ...]  (verify: greedy|token|block)"""
+
 import json
 import sys
 import warnings
@@ -20,9 +21,31 @@ target = load_target(None, "float32", layer_ids=draft.config.target_layer_ids)
 prompts = gsm8k_prompts(REPO.parent / "shared/data/gsm8k/test.jsonl", limit)
 for c in configs:
     w, verify, temp = c.split(":")
-    r = run_suite(target, draft, prompts, int(w), None if verify == "greedy" else verify, float(temp),
-                  0.95 if float(temp) else 1.0, max_tokens=256)
+    r = run_suite(
+        target,
+        draft,
+        prompts,
+        int(w),
+        None if verify == "greedy" else verify,
+        float(temp),
+        0.95 if float(temp) else 1.0,
+        max_tokens=256,
+    )
     with open(out, "a") as f:
         f.write(json.dumps(r) + "\n")
-    print({k: r[k] for k in ("width", "verify", "temperature", "samples", "acc_len", "weighted_al", "pooled_al",
-                             "per_position")}, flush=True)
+    print(
+        {
+            k: r[k]
+            for k in (
+                "width",
+                "verify",
+                "temperature",
+                "samples",
+                "acc_len",
+                "weighted_al",
+                "pooled_al",
+                "per_position",
+            )
+        },
+        flush=True,
+    )

@@ -5,6 +5,7 @@ greedy chat answer (client A), and while it streams sends a long prompt (client 
 --long-tokens tokens); reports A's longest gap between two stream events, its median gap, and how
 long /health took to answer while B's prefill ran. Run: .venv/bin/python scripts/serve_stall.py --chunks=-1,256
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,13 @@ def probe(url: str, long_tokens: int) -> dict:
     started = threading.Event()
 
     def stream_a():
-        body = {"messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
-                "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+        body = {
+            "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
+            "max_tokens": 200,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         last = None
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
             for line in r.iter_lines():
@@ -62,8 +68,12 @@ def probe(url: str, long_tokens: int) -> dict:
         health.append(time.perf_counter() - t0)
         time.sleep(0.05)
     a.join()
-    return {"max_gap_s": round(max(gaps), 3), "median_gap_s": round(statistics.median(gaps), 4),
-            "max_health_s": round(max(health), 3), "stream_events": len(gaps) + 1}
+    return {
+        "max_gap_s": round(max(gaps), 3),
+        "median_gap_s": round(statistics.median(gaps), 4),
+        "max_health_s": round(max(health), 3),
+        "stream_events": len(gaps) + 1,
+    }
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ Usage: python scripts/t1_calibration.py SEQS.json [DRAFT_DIR] [--generate N --of
 The seventh session ran --generate 24 --offset 200 (prompts outside the first-200 evaluation);
 its output is docs/cpu_2026-11-30d/teacher_forced_t1.txt.
 """
+
 import argparse
 import json
 import warnings
@@ -29,13 +30,15 @@ from dflash2.training.data import gsm8k_prompts, render
 from dflash2.sampling import probs_from_logits
 
 ap = argparse.ArgumentParser()
-ap.add_argument("seqs"); ap.add_argument("draft", nargs="?", default=str(DEFAULT_DRAFT))
-ap.add_argument("--generate", type=int, default=0); ap.add_argument("--offset", type=int, default=200)
+ap.add_argument("seqs")
+ap.add_argument("draft", nargs="?", default=str(DEFAULT_DRAFT))
+ap.add_argument("--generate", type=int, default=0)
+ap.add_argument("--offset", type=int, default=200)
 args = ap.parse_args()
 draft = load_draft(args.draft, dtype=torch.float32).eval()
 target = load_target(None, "float32", layer_ids=draft.config.target_layer_ids)
 if args.generate:
-    prompts = gsm8k_prompts(REPO.parent / "shared/data/gsm8k/test.jsonl", args.offset + args.generate)[args.offset:]
+    prompts = gsm8k_prompts(REPO.parent / "shared/data/gsm8k/test.jsonl", args.offset + args.generate)[args.offset :]
     rows = []
     for i, p in enumerate(prompts):
         ids = torch.tensor(render(target.tokenizer, p))
@@ -53,7 +56,9 @@ acc["oracle_cand"] = []
 sel = draft.candidate_selector
 with torch.no_grad():
     for s in json.load(open(args.seqs)):
-        ids = torch.tensor(s["ids"])[None]; P0 = s["prompt_len"]; T = ids.shape[1]
+        ids = torch.tensor(s["ids"])[None]
+        P0 = s["prompt_len"]
+        T = ids.shape[1]
         if T - G - P0 < 8:
             continue
         target._captured.clear()
@@ -65,16 +70,23 @@ with torch.no_grad():
         ctx_pos = torch.arange(T)[None]
         lat = draft.context_latents(draft.fuse(feats), ctx_pos)
         qp = pos.view(1, -1)
-        mask = build_block_mask(qp, anchors[:, None].expand(N, W).reshape(1, -1),
-                                torch.arange(N)[:, None].expand(N, W).reshape(1, -1), ctx_pos,
-                                torch.ones(1, T, dtype=torch.bool), draft.config.sliding_window, draft.config.is_causal)
-        blk = torch.full((N, W), draft.config.mask_token_id); blk[:, 0] = ids[0, anchors]
+        mask = build_block_mask(
+            qp,
+            anchors[:, None].expand(N, W).reshape(1, -1),
+            torch.arange(N)[:, None].expand(N, W).reshape(1, -1),
+            ctx_pos,
+            torch.ones(1, T, dtype=torch.bool),
+            draft.config.sliding_window,
+            draft.config.is_causal,
+        )
+        blk = torch.full((N, W), draft.config.mask_token_id)
+        blk[:, 0] = ids[0, anchors]
         hid = draft(target.embed(blk.view(1, -1)), qp, lat, mask, W).view(N, W, -1)[:, 1:]
-        U, cand = draft.candidates(hid, target.lm_head_weight)              # [N, G, k]
-        labels = ids[0, pos[:, 1:]]                                           # [N, G]
+        U, cand = draft.candidates(hid, target.lm_head_weight)  # [N, G, k]
+        labels = ids[0, pos[:, 1:]]  # [N, G]
         pred = torch.cat([ids[0, anchors][:, None], labels[:, :-1]], 1)
         S = U + torch.einsum("ngkr,ngr->ngk", sel.pair_weights(hid, cand), sel.predecessor_codebook[pred].float())
-        p_target = probs_from_logits(tl[pos[:, :-1]], 1.0, -1, 0.95)        # [N, G, V] at slot k's position
+        p_target = probs_from_logits(tl[pos[:, :-1]], 1.0, -1, 0.95)  # [N, G, V] at slot k's position
         p_cand = p_target.gather(-1, cand)
         for t in TAUS:
             acc[f"sel{t}"].append(torch.minimum(p_cand, probs_from_logits(S, t, -1, 0.95)).sum(-1))
@@ -85,7 +97,7 @@ with torch.no_grad():
             acc[f"dense{t}"].append(torch.minimum(p_target, probs_from_logits(dense, t, -1, 0.95)).sum(-1))
         acc["oracle_cand"].append(p_cand.sum(-1))  # q = p_target on the candidates, renormalised
 for k, v in acc.items():
-    a = torch.cat(v)                                                          # [anchors, G]
+    a = torch.cat(v)  # [anchors, G]
     al5 = 1 + torch.cumprod(a[:, :4], 1).sum(1).mean().item()
     al8 = 1 + torch.cumprod(a, 1).sum(1).mean().item()
     print(k, {"slot": [round(x, 3) for x in a.mean(0).tolist()], "al5_est": round(al5, 3), "al8_est": round(al8, 3)})

@@ -1,4 +1,5 @@
 """Tiny random targets built in-process from transformers config classes (no downloads)."""
+
 import torch
 import transformers as tf
 
@@ -8,8 +9,18 @@ VOCAB = 96
 
 
 def _common(**kw):
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     base.update(kw)
     return base
 
@@ -23,18 +34,44 @@ def build(arch: str, seed: int = 0, dtype=torch.float32):
         cfg = tf.Qwen3Config(**_common(head_dim=8))
         model = tf.Qwen3ForCausalLM(cfg)
     elif arch == "deepseek_v3":
-        cfg = tf.DeepseekV3Config(**_common(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
-                                            qk_nope_head_dim=8, v_head_dim=8, moe_intermediate_size=16, n_routed_experts=4,
-                                            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-                                            n_group=1, topk_group=1, rope_scaling=None))
+        cfg = tf.DeepseekV3Config(
+            **_common(
+                num_key_value_heads=4,
+                q_lora_rank=16,
+                kv_lora_rank=16,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=8,
+                moe_intermediate_size=16,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                n_group=1,
+                topk_group=1,
+                rope_scaling=None,
+            )
+        )
         model = tf.DeepseekV3ForCausalLM(cfg)
     elif arch == "kimi_linear":
-        cfg = tf.KimiLinearConfig(**_common(num_key_value_heads=4, moe_intermediate_size=16, kv_lora_rank=16, q_lora_rank=None,
-                                            qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, num_experts=4,
-                                            num_experts_per_token=2, num_shared_experts=1, linear_head_dim=8,
-                                            linear_num_heads=4, first_k_dense_replace=1,
-                                            layer_types=["linear_attention", "full_attention",
-                                                         "linear_attention", "full_attention"]))
+        cfg = tf.KimiLinearConfig(
+            **_common(
+                num_key_value_heads=4,
+                moe_intermediate_size=16,
+                kv_lora_rank=16,
+                q_lora_rank=None,
+                qk_rope_head_dim=8,
+                v_head_dim=8,
+                qk_nope_head_dim=8,
+                num_experts=4,
+                num_experts_per_token=2,
+                num_shared_experts=1,
+                linear_head_dim=8,
+                linear_num_heads=4,
+                first_k_dense_replace=1,
+                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            )
+        )
         model = tf.KimiLinearForCausalLM(cfg)
     else:
         raise ValueError(arch)
@@ -78,13 +115,38 @@ class OracleProposer:
 
 
 def tiny_config(**overrides) -> DFlash2Config:
-    base = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=12,
-                qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, intermediate_size=48, vocab_size=97,
-                target_layer_ids=[0, 2], num_target_layers=3, block_size=5, mask_token_id=96, sliding_window=16,
-                conv_kernel_size=2, conv_group_size=4, selector_rank=8, selector_top_k=6,
-                rope_theta=10000.0, max_position_embeddings=256,
-                rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+    base = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        q_lora_rank=16,
+        kv_lora_rank=12,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        intermediate_size=48,
+        vocab_size=97,
+        target_layer_ids=[0, 2],
+        num_target_layers=3,
+        block_size=5,
+        mask_token_id=96,
+        sliding_window=16,
+        conv_kernel_size=2,
+        conv_group_size=4,
+        selector_rank=8,
+        selector_top_k=6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    )
     base.update(overrides)
     return DFlash2Config(**base)
 
@@ -93,9 +155,19 @@ def sharp_v8_llama(seed: int = 3):
     """A 2-layer Llama over 8 tokens with sharp, context-dependent distributions: small enough that
     the exact joint distribution of two sampled tokens is computed by enumeration."""
     torch.manual_seed(seed)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                               num_attention_heads=2, num_key_value_heads=1, eos_token_id=None,
-                                               bos_token_id=None, pad_token_id=None)).eval()
+    model = tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            vocab_size=8,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            eos_token_id=None,
+            bos_token_id=None,
+            pad_token_id=None,
+        )
+    ).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:

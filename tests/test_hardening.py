@@ -1,6 +1,7 @@
 """Hardening regressions (issue 19), in-process: sampling bounds, verifiers over a broken q_draft,
 drafter config and checkpoint refusals, manifest-bound folders, fetch against hostile sources,
 linear-time parsers, and an engine whose loop survives any failing step."""
+
 import http.server
 import json
 import math
@@ -32,10 +33,22 @@ warnings.filterwarnings("ignore")
 
 
 # ---- sampling values ------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,value", [("temperature", 1e39), ("temperature", math.nan), ("temperature", math.inf),
-                                        ("top_k", 2**63), ("top_k", -2), ("seed", 2**64), ("seed", -(2**63) - 1),
-                                        ("top_p", math.nan), ("min_p", -0.1), ("max_new_tokens", 0),
-                                        ("stop_token_ids", (-1,))])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("temperature", 1e39),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("top_k", 2**63),
+        ("top_k", -2),
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+        ("top_p", math.nan),
+        ("min_p", -0.1),
+        ("max_new_tokens", 0),
+        ("stop_token_ids", (-1,)),
+    ],
+)
 def test_sampling_values_are_bounded(name, value):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**{name: value})
@@ -93,10 +106,19 @@ def test_broken_q_draft_falls_back_to_p_target(verifier, bad):
 
 
 # ---- drafter config and checkpoint ----------------------------------------------------------------
-@pytest.mark.parametrize("key,value", [("rope_theta", 0), ("rms_norm_eps", -1), ("block_size", 4096),
-                                       ("output_multiplier", math.nan), ("output_multiplier", 0),
-                                       ("final_logit_softcapping", math.inf), ("rope_theta", math.nan),
-                                       ("sliding_window", 10**9)])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("rope_theta", 0),
+        ("rms_norm_eps", -1),
+        ("block_size", 4096),
+        ("output_multiplier", math.nan),
+        ("output_multiplier", 0),
+        ("final_logit_softcapping", math.inf),
+        ("rope_theta", math.nan),
+        ("sliding_window", 10**9),
+    ],
+)
 def test_config_values_that_break_serving_are_refused(tmp_path, key, value):
     raw = tiny_config(rope_scaling=None).to_dict()
     (raw["dflash_config"] if key in raw["dflash_config"] else raw)[key] = value
@@ -115,8 +137,11 @@ def _saved_draft(folder: Path, **kw) -> DFlash2DraftModel:
 def test_non_finite_tensor_is_refused_by_name(tmp_path):
     m = _saved_draft(tmp_path / "ok")
     load_draft(tmp_path / "ok")
-    name = "layers.1.mlp.down_proj.weight" if "layers.1.mlp.down_proj.weight" in m.state_dict() else \
-        sorted(k for k, v in m.state_dict().items() if v.is_floating_point())[-1]
+    name = (
+        "layers.1.mlp.down_proj.weight"
+        if "layers.1.mlp.down_proj.weight" in m.state_dict()
+        else sorted(k for k, v in m.state_dict().items() if v.is_floating_point())[-1]
+    )
     with torch.no_grad():
         m.state_dict()[name].view(-1)[3] = math.nan
     save_draft(m, tmp_path / "bad")
@@ -124,7 +149,9 @@ def test_non_finite_tensor_is_refused_by_name(tmp_path):
         load_draft(tmp_path / "bad")
 
 
-@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/abs.safetensors", "sub/x.safetensors", "config.json"])
+@pytest.mark.parametrize(
+    "shard", ["../outside.safetensors", "/tmp/abs.safetensors", "sub/x.safetensors", "config.json"]
+)
 def test_index_shards_must_be_plain_names_inside(tmp_path, shard):
     _saved_draft(tmp_path / "d", max_shard_bytes=20_000)
     index = tmp_path / "d" / "model.safetensors.index.json"
@@ -160,14 +187,25 @@ def test_manifest_paths_must_name_files_inside(tmp_path, path):
         read_manifest(tmp_path / "M.json")
 
 
-@pytest.mark.parametrize("body", ["[]", '{"files": 3}', '{"files": [{"path": "a", "size": -1, "sha256": "00"}]}',
-                                  '{"files": [{"path": "a", "size": 1, "sha256": "zz"}]}', "\xff"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        "[]",
+        '{"files": 3}',
+        '{"files": [{"path": "a", "size": -1, "sha256": "00"}]}',
+        '{"files": [{"path": "a", "size": 1, "sha256": "zz"}]}',
+        "\xff",
+    ],
+)
 def test_malformed_manifest_is_one_line_and_exit_1(tmp_path, capsys, body):
     from dflash2.cli import main
+
     (tmp_path / "M.json").write_text(body, encoding="latin-1")
-    for argv in (["verify", str(tmp_path), str(tmp_path / "M.json")],
-                 ["fetch", str(tmp_path / "M.json"), "--dir", str(tmp_path / "x"), "--source", "file:///nowhere"],
-                 ["verify", str(tmp_path), str(tmp_path / "missing.json")]):
+    for argv in (
+        ["verify", str(tmp_path), str(tmp_path / "M.json")],
+        ["fetch", str(tmp_path / "M.json"), "--dir", str(tmp_path / "x"), "--source", "file:///nowhere"],
+        ["verify", str(tmp_path), str(tmp_path / "missing.json")],
+    ):
         assert main(argv) == 1
         out = capsys.readouterr()
         assert "Traceback" not in out.out + out.err and ("REJECTED" in out.out)
@@ -251,9 +289,10 @@ def test_fetch_never_writes_through_a_symlink(tmp_path):
 @pytest.mark.timeout(60)
 def test_tool_call_parsers_are_linear_in_a_whitespace_run():
     """A run of whitespace after an opening tag made the old regexes cubic (4,000 spaces: 17 s a search)."""
-    for kind, open_, close in (("hermes", "<tool_call>", "</tool_call>"),
-                               ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>f",
-                                "<|tool_call_end|><|tool_calls_section_end|>")):
+    for kind, open_, close in (
+        ("hermes", "<tool_call>", "</tool_call>"),
+        ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>f", "<|tool_call_end|><|tool_calls_section_end|>"),
+    ):
         p = ToolCallParser(kind)
         assert p.feed("hi " + open_) == ("hi ", [])
         for _ in range(4000):
@@ -349,8 +388,12 @@ def test_engine_loop_survives_failing_steps(llama, monkeypatch):
 
 def test_admission_refuses_bad_ids_and_what_cannot_fit(llama):
     eng = _engine(llama, max_total_tokens=64)
-    for prompt, sp, param in (([VOCAB], {}, "prompt"), ([-1, 3], {}, "prompt"), ([], {}, "prompt"),
-                              ([3, 4], {"stop_token_ids": (VOCAB + 5,)}, "stop_token_ids")):
+    for prompt, sp, param in (
+        ([VOCAB], {}, "prompt"),
+        ([-1, 3], {}, "prompt"),
+        ([], {}, "prompt"),
+        ([3, 4], {"stop_token_ids": (VOCAB + 5,)}, "stop_token_ids"),
+    ):
         with pytest.raises(RequestError) as e:
             eng.add_request(_req(prompt, **sp))
         assert e.value.param == param
@@ -393,19 +436,41 @@ def test_nan_drafter_keeps_the_target_distribution(method):
     V = 8
     model = sharp_v8_llama(3)
     t = TargetModel(model, layer_ids=[0])
-    d = DFlash2DraftModel(tiny_config(hidden_size=16, vocab_size=V, mask_token_id=V - 1, target_layer_ids=[0],
-                                      num_target_layers=2, selector_top_k=4, rope_scaling=None)).init_weights(std=0.2)
+    d = DFlash2DraftModel(
+        tiny_config(
+            hidden_size=16,
+            vocab_size=V,
+            mask_token_id=V - 1,
+            target_layer_ids=[0],
+            num_target_layers=2,
+            selector_top_k=4,
+            rope_scaling=None,
+        )
+    ).init_weights(std=0.2)
     with torch.no_grad():
         d.fc.weight.view(-1)[0] = math.nan
     prompt = [1, 2, 3]
     with torch.no_grad():
         p1 = probs_from_logits(model(torch.tensor([prompt])).logits[0, -1], 1.0)
-        joint = torch.stack([p1[a] * probs_from_logits(model(torch.tensor([prompt + [a]])).logits[0, -1], 1.0)
-                             for a in range(V)])
-    eng = LLMEngine(t, d, EngineConfig(max_running_requests=64, num_draft_tokens=4, block_verification=method == "block",
-                                       context_length=64, max_total_tokens=64 * 16, page_size=8))
+        joint = torch.stack(
+            [p1[a] * probs_from_logits(model(torch.tensor([prompt + [a]])).logits[0, -1], 1.0) for a in range(V)]
+        )
+    eng = LLMEngine(
+        t,
+        d,
+        EngineConfig(
+            max_running_requests=64,
+            num_draft_tokens=4,
+            block_verification=method == "block",
+            context_length=64,
+            max_total_tokens=64 * 16,
+            page_size=8,
+        ),
+    )
     n = 3000
-    reqs = [Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=s, ignore_eos=True)) for s in range(n)]
+    reqs = [
+        Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, seed=s, ignore_eos=True)) for s in range(n)
+    ]
     for r in reqs:
         eng.add_request(r)
     eng.run_until_done()

@@ -1,4 +1,5 @@
 """Manifests, minisign signatures, verify, and resumable multi-source fetch (loopback only)."""
+
 import hashlib
 import http.server
 import json
@@ -42,7 +43,9 @@ def test_signed_manifest_verifies(ckpt):
 def test_flipped_byte_in_file_is_named(ckpt):
     d, man, sig, pub = ckpt
     f = d / "model-00002-of-00002.safetensors"
-    data = bytearray(f.read_bytes()); data[5000] ^= 1; f.write_bytes(bytes(data))
+    data = bytearray(f.read_bytes())
+    data[5000] ^= 1
+    f.write_bytes(bytes(data))
     lines, say = _lines()
     assert not verify_folder(d, man, sig, pub, progress=False, out=say)
     assert any(l.startswith("FAIL model-00002-of-00002.safetensors") and "sha256" in l for l in lines)
@@ -53,6 +56,7 @@ def test_flipped_byte_in_manifest_rejected_before_files(ckpt, monkeypatch):
     text = man.read_text().replace('"size": 300000', '"size": 300001')
     man.write_text(text)
     import dflash2.integrity.manifest as m
+
     monkeypatch.setattr(m, "check_file", lambda *a, **k: pytest.fail("a file was read"))
     lines, say = _lines()
     assert not verify_folder(d, man, sig, pub, progress=False, out=say)
@@ -62,7 +66,8 @@ def test_flipped_byte_in_manifest_rejected_before_files(ckpt, monkeypatch):
 def test_flipped_byte_in_signature_rejected(ckpt):
     d, man, sig, pub = ckpt
     lines = sig.read_text().splitlines()
-    raw = bytearray(__import__("base64").b64decode(lines[1])); raw[20] ^= 1
+    raw = bytearray(__import__("base64").b64decode(lines[1]))
+    raw[20] ^= 1
     lines[1] = __import__("base64").b64encode(bytes(raw)).decode()
     sig.write_text("\n".join(lines) + "\n")
     out, say = _lines()
@@ -95,7 +100,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         p = self.root / self.path.lstrip("/")
         if not p.is_file():
-            self.send_error(404); return
+            self.send_error(404)
+            return
         data = p.read_bytes()
         if self.corrupt:
             data = bytes(b ^ 0xFF for b in data[:10]) + data[10:]
@@ -112,7 +118,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if self.path not in self.cut_once:  # first request for this file: send half, then hang up
             self.cut_once.add(self.path)
-            self.wfile.write(body[: len(body) // 2]); self.wfile.flush()
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
             self.connection.shutdown(2)
             return
         self.wfile.write(body)
@@ -158,11 +165,27 @@ def test_cli_refuses_drafter_failing_manifest(tmp_path):
     import shutil
     import subprocess
     import sys
+
     repo = Path(__file__).resolve().parents[1]
     d = tmp_path / "draft"
     shutil.copytree(repo / "models/smollm2-135m-dflash2", d)
     write_manifest(d, tmp_path / "M.json")
     (d / "config.json").write_text((d / "config.json").read_text() + " ")
-    p = subprocess.run([sys.executable, "-m", "dflash2.cli", "generate", "--prompt", "hi", "--speculative-draft-model-path",
-                        str(d), "--verify-manifest", str(tmp_path / "M.json")], capture_output=True, text=True, cwd=repo)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash2.cli",
+            "generate",
+            "--prompt",
+            "hi",
+            "--speculative-draft-model-path",
+            str(d),
+            "--verify-manifest",
+            str(tmp_path / "M.json"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=repo,
+    )
     assert p.returncode == 2 and "refused" in p.stderr and "FAIL config.json" in p.stdout

@@ -1,5 +1,6 @@
 """The static forward, and batch-1 decoding through the engine with one slot (the CUDA-graph runner,
 run eagerly on the CPU): same tokens as the reference loop and as the target alone."""
+
 import warnings
 
 import pytest
@@ -41,7 +42,7 @@ def test_static_forward_batched_slots_match_hf(attention):
     for row, x in zip(logits, [seqs[2], seqs[0], seqs[1]]):
         ref = t.model(input_ids=x[None], use_cache=False).logits[0].float()
         n = 6 if x is seqs[2] else len(x)
-        assert (row - ref[n - 4:n]).abs().max() < 1e-4
+        assert (row - ref[n - 4 : n]).abs().max() < 1e-4
 
 
 def test_static_forward_refuses_other_layouts():
@@ -53,8 +54,19 @@ def test_static_forward_refuses_other_layouts():
 
 def _one_slot(t, draft, width=5, block=False, context_length=96):
     """Batch-1 decoding as ``generate`` / ``run`` / ``bench speed`` do it: the engine with one slot."""
-    eng = LLMEngine(t, draft, EngineConfig.for_models(t, draft, width, context_length=context_length,
-                                                      max_running_requests=1, block_verification=block))
+    eng = LLMEngine(
+        t,
+        draft,
+        EngineConfig.for_models(
+            t,
+            draft,
+            width,
+            context_length=context_length,
+            max_running_requests=1,
+            block_verification=block,
+            speculative_planner="off",
+        ),
+    )
     assert isinstance(eng.runner, GraphModelRunner)  # one slot on the CPU: static buffers, eager
     return eng
 
@@ -104,20 +116,25 @@ class _OracleRunner(GraphModelRunner):
     """The real draft forward and selector walk, then the drafts replaced by the target's own
     continuation (wrong at a quarter of the positions): full blocks, partial blocks and rollbacks
     all happen, which a random draft almost never gives."""
+
     oracle = torch.zeros(1, dtype=torch.long)
 
     def _draft_fn(self, B, greedy, kv_len, out):
         super()._draft_fn(B, greedy, kv_len, out)
-        self.ids[:B, 1:] = self.oracle[self.start[:B, None] + 1 + self.ar[:self.w - 1]]
+        self.ids[:B, 1:] = self.oracle[self.start[:B, None] + 1 + self.ar[: self.w - 1]]
 
 
 @pytest.mark.parametrize("width", [4, 8])
 def test_one_slot_greedy_with_long_acceptances(width, monkeypatch):
     from dflash2.engine import engine as engine_mod
+
     monkeypatch.setattr(engine_mod, "GraphModelRunner", _OracleRunner)
     t = TargetModel(build("llama", seed=1), layer_ids=[0, 2])
-    eng = LLMEngine(t, random_draft(t, 0).draft, EngineConfig(max_running_requests=1, num_draft_tokens=width,
-                                                              context_length=128))
+    eng = LLMEngine(
+        t,
+        random_draft(t, 0).draft,
+        EngineConfig(max_running_requests=1, num_draft_tokens=width, context_length=128, speculative_planner="off"),
+    )
     hist = [0] * width
     for k in range(4):
         prompt = torch.randint(3, VOCAB, (5 + k,), generator=torch.Generator().manual_seed(k))
@@ -126,7 +143,7 @@ def test_one_slot_greedy_with_long_acceptances(width, monkeypatch):
         cont = torch.tensor(ref)
         wrong = torch.rand(len(cont), generator=torch.Generator().manual_seed(k)) < 0.25
         seq = torch.zeros(eng.runner.max_len + width, dtype=torch.long)
-        seq[len(prompt):len(prompt) + len(cont)] = torch.where(wrong, (cont + 1) % VOCAB, cont)
+        seq[len(prompt) : len(prompt) + len(cont)] = torch.where(wrong, (cont + 1) % VOCAB, cont)
         _OracleRunner.oracle = seq
         r = eng.generate([prompt.tolist()], sp)[0]
         assert r.token_ids == ref
@@ -138,18 +155,27 @@ def test_capturable_probs_equal_default_path():
     """The graph-safe filtering (full sort, no host reads) gives the default path's rows, including
     flat rows whose top-p set reaches past the top-1024 shortcut."""
     from dflash2.verification import probs_from_logits
+
     torch.manual_seed(0)
     logits = torch.randn(6, 3000) * torch.tensor([0.1, 1.0, 3.0, 0.01, 5.0, 1.0])[:, None]
-    for temp, k, top_p, min_p in [(1.0, -1, 0.95, 0.0), (0.7, 50, 1.0, 0.0), (1.3, -1, 1.0, 0.1),
-                                  (1.0, -1, 1.0, 0.0), (0.0, -1, 0.9, 0.0), (1.0, 2000, 0.99, 0.0)]:
+    for temp, k, top_p, min_p in [
+        (1.0, -1, 0.95, 0.0),
+        (0.7, 50, 1.0, 0.0),
+        (1.3, -1, 1.0, 0.1),
+        (1.0, -1, 1.0, 0.0),
+        (0.0, -1, 0.9, 0.0),
+        (1.0, 2000, 0.99, 0.0),
+    ]:
         ref = probs_from_logits(logits, temp, k, top_p, min_p)
         torch.testing.assert_close(probs_from_logits(logits, temp, k, top_p, min_p, capturable=True), ref)
     # per-row tensors (the serving engine's graphs): every row as the default path gives it
     temp = torch.tensor([1.0, 0.7, 0.0, 1.3, 1.0, 1.0])
     k = torch.tensor([-1, 50, -1, -1, 2000, -1])
     top_p, min_p = torch.tensor([0.95, 1.0, 0.9, 1.0, 0.99, 1.0]), torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.0])
-    torch.testing.assert_close(probs_from_logits(logits, temp, k, top_p, min_p, capturable=True),
-                               probs_from_logits(logits, temp, k, top_p, min_p))
+    torch.testing.assert_close(
+        probs_from_logits(logits, temp, k, top_p, min_p, capturable=True),
+        probs_from_logits(logits, temp, k, top_p, min_p),
+    )
     # top_p 1 drops nothing, even where the cumulative sum rounds past 1 in a row's tail
     flat = torch.zeros(1, 3000)
     assert (probs_from_logits(flat, 1.0, torch.tensor([-1]), torch.tensor([1.0]), capturable=True) > 0).all()

@@ -1,4 +1,5 @@
 """The server as a real process on a loopback port, driven by the official openai client."""
+
 import concurrent.futures as cf
 import socket
 import subprocess
@@ -17,7 +18,11 @@ openai = pytest.importorskip("openai")
 
 
 def _free_port():
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
 
 
 @pytest.fixture(scope="module")
@@ -26,38 +31,82 @@ def models(tmp_path_factory):
     from dflash2.model import DFlash2DraftModel
     from dflash2.model.checkpoint import save_draft
     from dflash2.target.loading import default_target_path
+
     root = tmp_path_factory.mktemp("srv")
     tok = tf.AutoTokenizer.from_pretrained(default_target_path())
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), bos_token_id=1, pad_token_id=0)
+    cfg = tf.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        bos_token_id=1,
+        pad_token_id=0,
+    )
     model = tf.LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.3)
-    model.save_pretrained(root / "target"); tok.save_pretrained(root / "target")
-    dc = tiny_config(hidden_size=32, vocab_size=len(tok), mask_token_id=16, target_layer_ids=[0, 2],
-                     num_target_layers=3, rope_scaling=None)
+    model.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    dc = tiny_config(
+        hidden_size=32,
+        vocab_size=len(tok),
+        mask_token_id=16,
+        target_layer_ids=[0, 2],
+        num_target_layers=3,
+        rope_scaling=None,
+    )
     save_draft(DFlash2DraftModel(dc).init_weights(std=0.2), root / "draft")
     return root, model, tok
 
 
 def _start(root, *extra):
     from dflash2.server.launch import spawn_server
-    return spawn_server(["--model-path", str(root / "target"), "--speculative-draft-model-path", str(root / "draft"),
-                         "--dtype", "float32", "--context-length", "256", *extra], REPO)
+
+    return spawn_server(
+        [
+            "--model-path",
+            str(root / "target"),
+            "--speculative-draft-model-path",
+            str(root / "draft"),
+            "--dtype",
+            "float32",
+            "--context-length",
+            "256",
+            "--speculative-planner",  # seeded sampling is asserted to repeat token for token
+            "off",
+            *extra,
+        ],
+        REPO,
+    )
 
 
 @pytest.fixture(scope="module", params=["paged", "static"])
 def server(models, request):
     """Both model runners: paged (the CPU default) and the static-slot CUDA-graph runner, eagerly."""
     root, model, tok = models
-    proc, url = _start(root, "--max-running-requests", "8", "--max-total-tokens", "384", "--page-size", "8",
-                       "--speculative-num-draft-tokens", "5", "--model-runner", request.param)
+    proc, url = _start(
+        root,
+        "--max-running-requests",
+        "8",
+        "--max-total-tokens",
+        "384",
+        "--page-size",
+        "8",
+        "--speculative-num-draft-tokens",
+        "5",
+        "--model-runner",
+        request.param,
+    )
     yield url, model, tok
-    proc.terminate(); proc.wait(10)
+    proc.terminate()
+    proc.wait(10)
 
 
 def _client(url):
@@ -68,8 +117,9 @@ PROMPTS = [f"Question {i}: what is {i} plus {2 * i}?" for i in range(18)]
 
 
 def _chat(client, prompt, **kw):
-    return client.chat.completions.create(model="default", messages=[{"role": "user", "content": prompt}],
-                                          max_tokens=24, temperature=0, **kw)
+    return client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0, **kw
+    )
 
 
 def test_concurrent_greedy_equals_sequential_and_target(server):
@@ -80,10 +130,11 @@ def test_concurrent_greedy_equals_sequential_and_target(server):
     alone = [_chat(client, p).choices[0].message.content for p in PROMPTS[:6]]
     assert together[:6] == alone
     for p, text in zip(PROMPTS[:6], together):
-        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt",
-                                      return_dict=True)["input_ids"]
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
         with torch.no_grad():
-            ref = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
+            ref = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :]
         assert text == tok.decode(ref, skip_special_tokens=True)
     # streamed text equals the non-streamed text
     for p, text in zip(PROMPTS[:4], together):
@@ -94,8 +145,14 @@ def test_concurrent_greedy_equals_sequential_and_target(server):
 def test_seeded_sampling_reproducible(server):
     client = _client(server[0])
     a = [_chat(client, "hello there", seed=7).choices[0].message.content for _ in range(1)]
-    kw = dict(model="default", messages=[{"role": "user", "content": "tell me a story"}], max_tokens=20,
-              temperature=1.0, top_p=0.9, seed=1234)
+    kw = dict(
+        model="default",
+        messages=[{"role": "user", "content": "tell me a story"}],
+        max_tokens=20,
+        temperature=1.0,
+        top_p=0.9,
+        seed=1234,
+    )
     r1 = client.chat.completions.create(**kw).choices[0].message.content
     r2 = client.chat.completions.create(**kw).choices[0].message.content
     assert r1 == r2 and a
@@ -106,7 +163,9 @@ def test_bad_inputs_get_4xx_while_others_complete(server):
     client = _client(url)
     with cf.ThreadPoolExecutor(4) as ex:
         good = [ex.submit(_chat, client, p) for p in PROMPTS[:4]]
-        r = httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}, timeout=60)
+        r = httpx.post(
+            url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}, timeout=60
+        )
         assert r.status_code == 400 and "error" in r.json()
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
@@ -118,7 +177,9 @@ def test_bad_inputs_get_4xx_while_others_complete(server):
             client.chat.completions.create(model="default", messages=[{"role": "user", "content": "word " * 400}])
         assert "context length" in str(e.value)
         with pytest.raises(openai.BadRequestError):
-            client.chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}], max_tokens=10_000)
+            client.chat.completions.create(
+                model="default", messages=[{"role": "user", "content": "x"}], max_tokens=10_000
+            )
         r = httpx.post(url + "/v1/chat/completions", json={"model": "default", "messages": []}, timeout=60)
         assert r.status_code == 400
         assert all(f.result().choices[0].finish_reason in ("stop", "length") for f in good)
@@ -138,15 +199,24 @@ def test_disconnects_and_preemption_leave_pool_full(server):
     client = _client(url)
 
     def cut_stream(p):
-        with httpx.stream("POST", url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": p}],
-                          "max_tokens": 200, "stream": True, "temperature": 0}, timeout=300) as r:
+        with httpx.stream(
+            "POST",
+            url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": p}], "max_tokens": 200, "stream": True, "temperature": 0},
+            timeout=300,
+        ) as r:
             for i, _ in enumerate(r.iter_lines()):
                 if i >= 3:
                     return "cut"
 
     def long(p):
-        c = client.chat.completions.create(model="default", messages=[{"role": "user", "content": p}],
-                                           max_tokens=80, temperature=0, extra_body={"ignore_eos": True}).choices[0]
+        c = client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": p}],
+            max_tokens=80,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        ).choices[0]
         return c.finish_reason, c.message.content
 
     with cf.ThreadPoolExecutor(12) as ex:
@@ -169,14 +239,22 @@ def test_disconnects_and_preemption_leave_pool_full(server):
 def test_generate_meta_metrics_and_usage_agree(server):
     url = server[0]
     before = _metrics(url)
-    r = httpx.post(url + "/generate", json={"text": "Once upon a time", "sampling_params": {"max_new_tokens": 30,
-                                                                                             "temperature": 0}}, timeout=300).json()
+    r = httpx.post(
+        url + "/generate",
+        json={"text": "Once upon a time", "sampling_params": {"max_new_tokens": 30, "temperature": 0}},
+        timeout=300,
+    ).json()
     meta = r["meta_info"]
     assert meta["completion_tokens"] == len(r["output_ids"]) > 0
     assert meta["spec_accept_length"] == pytest.approx(meta["completion_tokens"] / max(meta["spec_verify_ct"], 1))
     after = _metrics(url)
-    assert after["dflash2_generation_tokens_total"] - before["dflash2_generation_tokens_total"] == meta["completion_tokens"]
-    assert after["dflash2_spec_verify_steps_total"] - before["dflash2_spec_verify_steps_total"] == meta["spec_verify_ct"]
+    assert (
+        after["dflash2_generation_tokens_total"] - before["dflash2_generation_tokens_total"]
+        == meta["completion_tokens"]
+    )
+    assert (
+        after["dflash2_spec_verify_steps_total"] - before["dflash2_spec_verify_steps_total"] == meta["spec_verify_ct"]
+    )
     c = _client(url).completions.create(model="default", prompt="Once upon a time", max_tokens=30, temperature=0)
     assert c.usage.completion_tokens == meta["completion_tokens"] and c.choices[0].text == r["text"]
     assert c.usage.model_extra["spec_verify_ct"] == meta["spec_verify_ct"]
@@ -186,7 +264,22 @@ def test_generate_meta_metrics_and_usage_agree(server):
 
 def test_unsupported_flags_fail_at_start(models):
     root = models[0]
-    p = subprocess.run([sys.executable, "-m", "dflash2.cli", "serve", "--model-path", str(root / "target"),
-                        "--speculative-draft-model-path", str(root / "draft"), "--kv-cache-dtype", "fp8_e4m3"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash2.cli",
+            "serve",
+            "--model-path",
+            str(root / "target"),
+            "--speculative-draft-model-path",
+            str(root / "draft"),
+            "--kv-cache-dtype",
+            "fp8_e4m3",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode != 0 and "kv-cache-dtype" in p.stderr

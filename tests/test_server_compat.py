@@ -2,6 +2,7 @@
 with its SGLang-only flags starts and says in one line per flag what it does not do here;
 --api-key guards every route but /health; /v1/models/{id}, /version, /get_model_info,
 /server_info, /health_generate, /flush_cache and /abort_request answer as SGLang's do."""
+
 import json
 import subprocess
 import sys
@@ -14,20 +15,60 @@ import pytest
 from test_server import REPO, _free_port
 
 KEY = "sk-test-key"
-NOTED = ["--mamba-full-memory-ratio", "--speculative-draft-attention-backend", "--disable-radix-cache",
-         "--enable-metrics", "--skip-server-warmup"]
+NOTED = [
+    "--mamba-full-memory-ratio",
+    "--speculative-draft-attention-backend",
+    "--disable-radix-cache",
+    "--enable-metrics",
+    "--skip-server-warmup",
+]
 
 
 @pytest.fixture(scope="module")
 def card(models):
     root = models[0]
     port = _free_port()
-    cmd = [sys.executable, "-m", "dflash2.cli", "serve", "--model", str(root / "target"),
-           "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(root / "draft"),
-           "--speculative-num-draft-tokens", "5", "--tp", "1", "--context-length", "1K", "--dtype", "fp32",
-           "--device", "auto", "--api-key", KEY, "--random-seed", "3", "--log-level", "warning",
-           "--mamba-full-memory-ratio", "0.9", "--speculative-draft-attention-backend", "fa3", "--disable-radix-cache",
-           "--enable-metrics", "--skip-server-warmup", "--max-total-tokens", "4096", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash2.cli",
+        "serve",
+        "--model",
+        str(root / "target"),
+        "--speculative-algorithm",
+        "DFLASH",
+        "--speculative-draft-model-path",
+        str(root / "draft"),
+        "--speculative-num-draft-tokens",
+        "5",
+        "--tp",
+        "1",
+        "--context-length",
+        "1K",
+        "--dtype",
+        "fp32",
+        "--device",
+        "auto",
+        "--api-key",
+        KEY,
+        "--random-seed",
+        "3",
+        "--speculative-planner",  # not on the card's line: seeded samples are asserted to repeat
+        "off",
+        "--log-level",
+        "warning",
+        "--mamba-full-memory-ratio",
+        "0.9",
+        "--speculative-draft-attention-backend",
+        "fa3",
+        "--disable-radix-cache",
+        "--enable-metrics",
+        "--skip-server-warmup",
+        "--max-total-tokens",
+        "4096",
+        "--port",
+        str(port),
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
@@ -61,8 +102,13 @@ def test_card_style_launch_starts_and_names_what_it_does_not_do(card):
 def test_api_key_guards_every_route_but_health(card):
     url, _ = card
     assert httpx.get(url + "/health", timeout=10).status_code == 200
-    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics"),
-                         ("POST", "/generate"), ("GET", "/server_info")):
+    for method, path in (
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("GET", "/metrics"),
+        ("POST", "/generate"),
+        ("GET", "/server_info"),
+    ):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             r = httpx.request(method, url + path, headers=headers, json={}, timeout=10)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
@@ -80,8 +126,12 @@ def test_sglang_endpoints(card):
     assert get("/v1/models/nope").status_code == 404
     assert get("/version").json()["version"]
     assert get("/get_model_info").json()["is_generation"] is True
-    httpx.post(url + "/generate", headers=AUTH, json={"text": "Once upon a time", "sampling_params": {
-        "max_new_tokens": 16, "temperature": 0}}, timeout=60).raise_for_status()
+    httpx.post(
+        url + "/generate",
+        headers=AUTH,
+        json={"text": "Once upon a time", "sampling_params": {"max_new_tokens": 16, "temperature": 0}},
+        timeout=60,
+    ).raise_for_status()
     for path in ("/server_info", "/get_server_info"):
         state = get(path).json()["internal_states"][0]
         assert state["avg_spec_accept_length"] >= 1.0 and state["last_gen_throughput"] > 0
@@ -95,8 +145,12 @@ def test_abort_request_by_rid_ends_a_running_stream(card):
     events = []
 
     def stream():
-        body = {"text": "Once upon a time", "rid": "story-1", "stream": True,
-                "sampling_params": {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}}
+        body = {
+            "text": "Once upon a time",
+            "rid": "story-1",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True},
+        }
         with httpx.stream("POST", url + "/generate", headers=AUTH, json=body, timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -115,12 +169,18 @@ def test_abort_request_by_rid_ends_a_running_stream(card):
     assert events[-1]["meta_info"]["completion_tokens"] < 900
 
 
-@pytest.mark.parametrize("argv,why", [(["--dtype", "half"], "float16 is not supported"),
-                                      (["--context-length", "lots"], "token count"),
-                                      (["--cuda-graph-max-bs", "2"], "cuda-graph-max-bs")])
+@pytest.mark.parametrize(
+    "argv,why",
+    [
+        (["--dtype", "half"], "float16 is not supported"),
+        (["--context-length", "lots"], "token count"),
+        (["--cuda-graph-max-bs", "2"], "cuda-graph-max-bs"),
+    ],
+)
 def test_flags_we_cannot_honour_are_refused_with_the_reason(argv, why, capsys):
     from dflash2.cli import build_parser
     from dflash2.server.launch import check_flags
+
     with pytest.raises(SystemExit) as e:
         check_flags(build_parser().parse_args(["serve", *argv]))
     assert why in capsys.readouterr().err + str(e.value.code)
@@ -128,6 +188,7 @@ def test_flags_we_cannot_honour_are_refused_with_the_reason(argv, why, capsys):
 
 def test_flag_value_forms():
     from dflash2.cli import build_parser
+
     parse = lambda *a: build_parser().parse_args(["serve", *a])
     assert parse("--context-length", "32k").context_length == 32000
     assert parse("--context-length", "128K").context_length == 131072
@@ -142,17 +203,29 @@ def _client(url):
 
 def test_content_parts_and_tool_turns(card):
     openai, client = _client(card[0])
-    ask = lambda messages: client.chat.completions.create(model="default", messages=messages, max_tokens=8,
-                                                          temperature=0).choices[0].message.content
+    ask = lambda messages: (
+        client.chat.completions.create(model="default", messages=messages, max_tokens=8, temperature=0)
+        .choices[0]
+        .message.content
+    )
     plain = ask([{"role": "user", "content": "Hello there\nfriend"}])
-    parts = ask([{"role": "user", "content": [{"type": "text", "text": "Hello there"}, {"type": "text", "text": "friend"}]}])
+    parts = ask(
+        [{"role": "user", "content": [{"type": "text", "text": "Hello there"}, {"type": "text", "text": "friend"}]}]
+    )
     assert parts == plain
     with pytest.raises(openai.BadRequestError, match="image_url"):
         ask([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}])
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
-    assert isinstance(ask([{"role": "user", "content": "add 1 and 2"},
-                           {"role": "assistant", "content": None, "tool_calls": [call]},
-                           {"role": "tool", "tool_call_id": "call_1", "content": "3"}]), str)
+    assert isinstance(
+        ask(
+            [
+                {"role": "user", "content": "add 1 and 2"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+            ]
+        ),
+        str,
+    )
 
 
 def test_streaming_usage_follows_openai(card):
@@ -163,8 +236,16 @@ def test_streaming_usage_follows_openai(card):
     chunks = list(client.chat.completions.create(**kw, stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
     assert chunks[-2].choices[0].finish_reason in ("stop", "length") and all(c.usage is None for c in chunks[:-1])
-    comp = list(client.completions.create(model="default", prompt="Hi", max_tokens=8, temperature=0, stream=True,
-                                          stream_options={"include_usage": True}))
+    comp = list(
+        client.completions.create(
+            model="default",
+            prompt="Hi",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert comp[-1].choices == [] and comp[-1].usage.completion_tokens > 0
     with pytest.raises(openai.BadRequestError, match="stream_options"):
         client.completions.create(model="default", prompt="Hi", max_tokens=2, stream_options={"include_usage": True})
@@ -182,8 +263,12 @@ def test_batched_prompts_on_both_routes(card):
     ids = [[5, 6, 7], [8, 9, 10, 11]]
     by_ids = client.completions.create(model="default", prompt=ids, max_tokens=4, temperature=0)
     assert len(by_ids.choices) == 2
-    gen = httpx.post(url + "/generate", headers=AUTH, timeout=120, json={
-        "text": prompts, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    gen = httpx.post(
+        url + "/generate",
+        headers=AUTH,
+        timeout=120,
+        json={"text": prompts, "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+    ).json()
     assert [g["text"] for g in gen] == alone and len({g["meta_info"]["id"] for g in gen}) == 3
     with pytest.raises(openai.BadRequestError, match="batch"):
         client.completions.create(model="default", prompt=prompts, max_tokens=2, stream=True)
@@ -201,8 +286,9 @@ def test_sglang_response_extras(card):
         assert meta["finish_reason"]["length"] == 12
     stop = free["text"][3:6]
     if len(stop) == 3 and stop.strip():
-        hit = post({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 12, "temperature": 0,
-                                                                     "stop": [stop]}})
+        hit = post(
+            {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 12, "temperature": 0, "stop": [stop]}}
+        )
         assert hit["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     openai, client = _client(url)
     c = client.completions.create(model="default", prompt="Once upon a time", max_tokens=3, temperature=0)
@@ -212,8 +298,14 @@ def test_sglang_response_extras(card):
 def test_n_parallel_samples(card):
     url = card[0]
     openai, client = _client(url)
-    kw = dict(model="default", messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=12,
-              temperature=1.0, n=3, seed=11)
+    kw = dict(
+        model="default",
+        messages=[{"role": "user", "content": "Tell me a story"}],
+        max_tokens=12,
+        temperature=1.0,
+        n=3,
+        seed=11,
+    )
     a = client.chat.completions.create(**kw)
     b = client.chat.completions.create(**kw)
     texts = [c.message.content for c in sorted(a.choices, key=lambda c: c.index)]
@@ -224,8 +316,12 @@ def test_n_parallel_samples(card):
     assert a.usage.prompt_tokens == client.chat.completions.create(**{**kw, "n": 1}).usage.prompt_tokens
     c = client.completions.create(model="default", prompt=["Hi", "Bye"], max_tokens=4, temperature=1.0, n=2, seed=3)
     assert sorted(x.index for x in c.choices) == [0, 1, 2, 3]
-    gen = httpx.post(url + "/generate", headers=AUTH, timeout=60, json={
-        "text": "Hi", "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "n": 2, "seed": 3}}).json()
+    gen = httpx.post(
+        url + "/generate",
+        headers=AUTH,
+        timeout=60,
+        json={"text": "Hi", "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "n": 2, "seed": 3}},
+    ).json()
     assert isinstance(gen, list) and len(gen) == 2
     with pytest.raises(openai.BadRequestError, match="n > 1"):
         client.chat.completions.create(**{**kw, "stream": True})

@@ -2,6 +2,7 @@
 endpoint (each request answered 200 or 4xx, never 500, never a hang, and the greedy text of a
 normal request unchanged afterwards), one regression per reported failure, and in-process
 checks of what a live process cannot be made to do (a step failing mid-stream)."""
+
 import json
 import threading
 import time
@@ -20,9 +21,21 @@ LONG_CTX = 512
 @pytest.fixture(scope="module")
 def live(models):
     root, model, tok = models
-    proc, url = _start(root, "--max-running-requests", "8", "--max-total-tokens", "4096", "--page-size", "8",
-                       "--speculative-num-draft-tokens", "5", "--chunked-prefill-size", "32",
-                       "--context-length", str(LONG_CTX))
+    proc, url = _start(
+        root,
+        "--max-running-requests",
+        "8",
+        "--max-total-tokens",
+        "4096",
+        "--page-size",
+        "8",
+        "--speculative-num-draft-tokens",
+        "5",
+        "--chunked-prefill-size",
+        "32",
+        "--context-length",
+        str(LONG_CTX),
+    )
     yield url, model, tok
     proc.terminate()
     proc.wait(10)
@@ -30,8 +43,12 @@ def live(models):
 
 def _post(url, path, body, timeout=120):
     """Raw JSON (NaN / Infinity literals and lone surrogates as \\u escapes reach the server as sent)."""
-    return httpx.post(url + path, content=json.dumps(body, allow_nan=True), timeout=timeout,
-                      headers={"content-type": "application/json"})
+    return httpx.post(
+        url + path,
+        content=json.dumps(body, allow_nan=True),
+        timeout=timeout,
+        headers={"content-type": "application/json"},
+    )
 
 
 def _greedy(url, text="Once upon a time", n=16):
@@ -48,14 +65,26 @@ def _error(r, status=400):
 
 
 # ---- fuzz -------------------------------------------------------------------------------------------
-WEIRD_TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["", "\ud800", "a\udfffb", "<tool_call>" + " " * 500,
-                                                              "</s><|im_end|>", "\x00", "word " * 600]))
-NUM = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.sampled_from([0, 1, -1, 2**63, 2**31]),
-                st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([1e39, 1e-40, 0.5, 1.0, 0.0, -0.0]),
-                st.text(max_size=5))
+WEIRD_TEXT = st.one_of(
+    st.text(max_size=40),
+    st.sampled_from(["", "\ud800", "a\udfffb", "<tool_call>" + " " * 500, "</s><|im_end|>", "\x00", "word " * 600]),
+)
+NUM = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([0, 1, -1, 2**63, 2**31]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([1e39, 1e-40, 0.5, 1.0, 0.0, -0.0]),
+    st.text(max_size=5),
+)
 SMALL = st.one_of(st.integers(1, 6), NUM)
-IDS = st.one_of(st.lists(st.integers(0, 60000), max_size=6), st.lists(st.integers(-2**65, 2**65), max_size=4),
-                st.lists(NUM, max_size=3), NUM)
+IDS = st.one_of(
+    st.lists(st.integers(0, 60000), max_size=6),
+    st.lists(st.integers(-(2**65), 2**65), max_size=4),
+    st.lists(NUM, max_size=3),
+    NUM,
+)
 STOP = st.one_of(st.none(), WEIRD_TEXT, st.lists(WEIRD_TEXT, max_size=3), NUM)
 
 
@@ -63,40 +92,88 @@ def _or_valid(valid, hostile=NUM):
     return st.one_of(valid, hostile)
 
 
-SAMPLING = {"temperature": _or_valid(st.floats(0, 2)), "top_p": _or_valid(st.floats(0.01, 1)),
-            "top_k": _or_valid(st.integers(-1, 100)), "min_p": _or_valid(st.floats(0, 1)),
-            "seed": _or_valid(st.integers(0, 2**63)), "stop": STOP, "stop_token_ids": IDS,
-            "ignore_eos": _or_valid(st.booleans()), "n": _or_valid(st.just(1))}
-UNSUPPORTED = {"logprobs": _or_valid(st.just(False)), "top_logprobs": NUM, "logit_bias": st.one_of(
-    st.none(), st.dictionaries(st.text(max_size=3), NUM, max_size=2)), "presence_penalty": _or_valid(st.just(0.0)),
-    "frequency_penalty": NUM, "response_format": st.one_of(st.none(), st.just({"type": "json_object"}),
-                                                           st.just({"type": "text"})),
-    "best_of": NUM, "min_tokens": NUM, "unknown_field": NUM, "user": _or_valid(st.text(max_size=5))}
-MESSAGES = st.one_of(st.lists(st.fixed_dictionaries({
-    "role": st.one_of(st.sampled_from(["user", "system", "assistant"]), WEIRD_TEXT, NUM),
-    "content": st.one_of(WEIRD_TEXT, NUM, st.just([{"type": "text", "text": "hi"}]))}), max_size=3), NUM)
+SAMPLING = {
+    "temperature": _or_valid(st.floats(0, 2)),
+    "top_p": _or_valid(st.floats(0.01, 1)),
+    "top_k": _or_valid(st.integers(-1, 100)),
+    "min_p": _or_valid(st.floats(0, 1)),
+    "seed": _or_valid(st.integers(0, 2**63)),
+    "stop": STOP,
+    "stop_token_ids": IDS,
+    "ignore_eos": _or_valid(st.booleans()),
+    "n": _or_valid(st.just(1)),
+}
+UNSUPPORTED = {
+    "logprobs": _or_valid(st.just(False)),
+    "top_logprobs": NUM,
+    "logit_bias": st.one_of(st.none(), st.dictionaries(st.text(max_size=3), NUM, max_size=2)),
+    "presence_penalty": _or_valid(st.just(0.0)),
+    "frequency_penalty": NUM,
+    "response_format": st.one_of(st.none(), st.just({"type": "json_object"}), st.just({"type": "text"})),
+    "best_of": NUM,
+    "min_tokens": NUM,
+    "unknown_field": NUM,
+    "user": _or_valid(st.text(max_size=5)),
+}
+MESSAGES = st.one_of(
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.one_of(st.sampled_from(["user", "system", "assistant"]), WEIRD_TEXT, NUM),
+                "content": st.one_of(WEIRD_TEXT, NUM, st.just([{"type": "text", "text": "hi"}])),
+            }
+        ),
+        max_size=3,
+    ),
+    NUM,
+)
 MODEL = st.one_of(st.just("default"), WEIRD_TEXT, NUM)
 # each case: a valid request with up to three fields replaced, so every field meets the layers behind
 # validation too (a body of all-random fields stops at its first bad one)
-BASE = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-        "/v1/completions": {"prompt": "Once upon a time", "max_tokens": 4},
-        "/generate": {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4}}}
+BASE = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    "/v1/completions": {"prompt": "Once upon a time", "max_tokens": 4},
+    "/generate": {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4}},
+}
 FIELDS = {
-    "/v1/chat/completions": {"messages": MESSAGES, "max_tokens": SMALL, "max_completion_tokens": SMALL,
-                             "stream": _or_valid(st.booleans()), "model": MODEL,
-                             "tools": st.one_of(st.none(), st.just([{"type": "function", "function": {
-                                 "name": "f", "parameters": {}}}]), NUM),
-                             "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), NUM),
-                             "stream_options": st.one_of(st.just({"include_usage": True}), NUM),
-                             **SAMPLING, **UNSUPPORTED},
-    "/v1/completions": {"prompt": st.one_of(WEIRD_TEXT, IDS), "max_tokens": SMALL, "stream": _or_valid(st.booleans()),
-                        "model": MODEL, "echo": _or_valid(st.just(False)), "suffix": WEIRD_TEXT,
-                        **SAMPLING, **UNSUPPORTED},
-    "/generate": {"text": WEIRD_TEXT, "input_ids": IDS, "stream": _or_valid(st.booleans()), "rid": WEIRD_TEXT,
-                  "return_logprob": _or_valid(st.just(False)), "unknown_field": NUM, "sampling_params": NUM,
-                  "sampling_params.max_new_tokens": SMALL, "sampling_params.sampling_seed": NUM,
-                  "sampling_params.regex": WEIRD_TEXT, "sampling_params.repetition_penalty": NUM,
-                  **{f"sampling_params.{k}": v for k, v in SAMPLING.items()}},
+    "/v1/chat/completions": {
+        "messages": MESSAGES,
+        "max_tokens": SMALL,
+        "max_completion_tokens": SMALL,
+        "stream": _or_valid(st.booleans()),
+        "model": MODEL,
+        "tools": st.one_of(
+            st.none(), st.just([{"type": "function", "function": {"name": "f", "parameters": {}}}]), NUM
+        ),
+        "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), NUM),
+        "stream_options": st.one_of(st.just({"include_usage": True}), NUM),
+        **SAMPLING,
+        **UNSUPPORTED,
+    },
+    "/v1/completions": {
+        "prompt": st.one_of(WEIRD_TEXT, IDS),
+        "max_tokens": SMALL,
+        "stream": _or_valid(st.booleans()),
+        "model": MODEL,
+        "echo": _or_valid(st.just(False)),
+        "suffix": WEIRD_TEXT,
+        **SAMPLING,
+        **UNSUPPORTED,
+    },
+    "/generate": {
+        "text": WEIRD_TEXT,
+        "input_ids": IDS,
+        "stream": _or_valid(st.booleans()),
+        "rid": WEIRD_TEXT,
+        "return_logprob": _or_valid(st.just(False)),
+        "unknown_field": NUM,
+        "sampling_params": NUM,
+        "sampling_params.max_new_tokens": SMALL,
+        "sampling_params.sampling_seed": NUM,
+        "sampling_params.regex": WEIRD_TEXT,
+        "sampling_params.repetition_penalty": NUM,
+        **{f"sampling_params.{k}": v for k, v in SAMPLING.items()},
+    },
 }
 
 
@@ -126,8 +203,7 @@ def test_fuzz_every_endpoint_never_500_never_hangs(live):
 
     statuses = []
 
-    @settings(max_examples=200, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
     @given(cases())
     def probe(case):
         r = _post(url, *case, timeout=120)
@@ -152,8 +228,13 @@ def test_overflowing_sampling_values_are_400_and_the_server_keeps_serving(live):
     before = _greedy(url)
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     assert "top_k" in _error(_post(url, "/v1/chat/completions", {**chat, "top_k": 2**63}))["message"]
-    assert "temperature" in _error(_post(url, "/generate", {"text": "hi", "sampling_params": {"temperature": 1e39}}))["message"]
-    assert "temperature" in _error(_post(url, "/v1/completions", {"prompt": "hi", "temperature": float("nan")}))["message"]
+    assert (
+        "temperature"
+        in _error(_post(url, "/generate", {"text": "hi", "sampling_params": {"temperature": 1e39}}))["message"]
+    )
+    assert (
+        "temperature" in _error(_post(url, "/v1/completions", {"prompt": "hi", "temperature": float("nan")}))["message"]
+    )
     e = _error(_post(url, "/v1/completions", {"prompt": "hi", "seed": 2**80}))
     assert "seed" in e["message"] and e["code"] != "context_length_exceeded"
     assert httpx.get(url + "/health", timeout=10).status_code == 200
@@ -166,27 +247,46 @@ def test_overflowing_sampling_values_are_400_and_the_server_keeps_serving(live):
 def test_token_ids_are_checked_against_the_vocabulary(live):
     url, _, tok = live
     V = len(tok)
-    for path, body, param in (("/v1/completions", {"prompt": [V]}, "prompt"), ("/v1/completions", {"prompt": [-1]}, "prompt"),
-                              ("/generate", {"input_ids": [5, 10**6]}, "prompt"),
-                              ("/v1/completions", {"prompt": "hi", "stop_token_ids": [V + 3]}, "stop_token_ids"),
-                              ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [-5]}}, "stop_token_ids")):
+    for path, body, param in (
+        ("/v1/completions", {"prompt": [V]}, "prompt"),
+        ("/v1/completions", {"prompt": [-1]}, "prompt"),
+        ("/generate", {"input_ids": [5, 10**6]}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [V + 3]}, "stop_token_ids"),
+        ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [-5]}}, "stop_token_ids"),
+    ):
         e = _error(_post(url, path, body))
         assert "vocabulary" in e["message"] or param in e["message"], e
 
 
 def test_bad_text_and_empty_prompts_are_400(live):
     url = live[0]
-    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}),
-                       ("/v1/completions", {"prompt": "\udfff"}), ("/v1/completions", {"prompt": ""}),
-                       ("/v1/completions", {"prompt": []}), ("/generate", {"text": ""}),
-                       ("/generate", {"input_ids": []}), ("/generate", {"text": "a", "input_ids": [5]})):
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}),
+        ("/v1/completions", {"prompt": "\udfff"}),
+        ("/v1/completions", {"prompt": ""}),
+        ("/v1/completions", {"prompt": []}),
+        ("/generate", {"text": ""}),
+        ("/generate", {"input_ids": []}),
+        ("/generate", {"text": "a", "input_ids": [5]}),
+    ):
         _error(_post(url, path, body))
 
 
-@pytest.mark.parametrize("field,value", [("logprobs", True), ("top_logprobs", 2), ("logit_bias", {"5": 10}),
-                                         ("presence_penalty", 0.5), ("frequency_penalty", 1.0),
-                                         ("response_format", {"type": "json_object"}), ("tool_choice", "required"),
-                                         ("best_of", 2), ("n", 65), ("no_such_parameter", 1)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("logprobs", True),
+        ("top_logprobs", 2),
+        ("logit_bias", {"5": 10}),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", 1.0),
+        ("response_format", {"type": "json_object"}),
+        ("tool_choice", "required"),
+        ("best_of", 2),
+        ("n", 65),
+        ("no_such_parameter", 1),
+    ],
+)
 def test_parameters_we_do_not_implement_are_refused_by_name(live, field, value):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, field: value}
     assert field in _error(_post(live[0], "/v1/chat/completions", body))["message"]
@@ -219,8 +319,11 @@ def test_non_streaming_client_that_leaves_aborts_its_request(live):
     url = live[0]
     before = _metrics(url)
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": LONG_CTX - 16,
-                                                   "temperature": 0, "ignore_eos": True}, timeout=0.5)
+        httpx.post(
+            url + "/v1/completions",
+            json={"prompt": "Once upon a time", "max_tokens": LONG_CTX - 16, "temperature": 0, "ignore_eos": True},
+            timeout=0.5,
+        )
     for _ in range(100):
         m = _metrics(url)
         if m["dflash2_requests_aborted_total"] > before["dflash2_requests_aborted_total"]:
@@ -238,14 +341,14 @@ def test_stream_never_sends_the_start_of_a_stop_string(live):
     # a stop string across a token boundary, first seen there: the first half arrives a token early
     for k in range(4, len(ids) - 2):
         cut = len(tok.decode(ids[:k]))
-        stop = full[max(cut - 2, 0):cut + 2]
+        stop = full[max(cut - 2, 0) : cut + 2]
         if len(stop) == 4 and full.find(stop) == cut - 2 and stop.strip():
             break
     else:
         pytest.skip("no stop string across a token boundary in this text")
     body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stop": [stop]}
     whole = _post(url, "/v1/completions", body).json()["choices"][0]["text"]
-    assert whole == full[:cut - 2]
+    assert whole == full[: cut - 2]
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert "".join(e["choices"][0]["text"] for e in events) == whole
@@ -261,11 +364,17 @@ def app_client(models, monkeypatch):
     from dflash2.model.checkpoint import load_draft
     from dflash2.server.app import create_app
     from dflash2.target.loading import load_target
+
     root = models[0]
     draft = load_draft(root / "draft", dtype=torch.float32)
     target = load_target(str(root / "target"), "float32", "cpu", layer_ids=draft.config.target_layer_ids)
-    eng = LLMEngine(target, draft, EngineConfig(max_running_requests=4, num_draft_tokens=5, context_length=256,
-                                                max_total_tokens=2048, page_size=8))
+    eng = LLMEngine(
+        target,
+        draft,
+        EngineConfig(
+            max_running_requests=4, num_draft_tokens=5, context_length=256, max_total_tokens=2048, page_size=8
+        ),
+    )
     eng.start()
     with TestClient(create_app(eng, target.tokenizer, "m", 256)) as client:
         yield client, eng
@@ -283,13 +392,23 @@ def test_a_stream_that_fails_ends_with_an_error_event(app_client, monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(eng.runner, "step", flaky)
-    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-                       ("/v1/completions", {"prompt": "hi"}), ("/generate", {"text": "hi"})):
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/generate", {"text": "hi"}),
+    ):
         calls["n"] = 0
-        with client.stream("POST", path, json={**body, "stream": True, "max_tokens": 40, "ignore_eos": True,
-                                              "temperature": 0}
-                           if path != "/generate" else {**body, "stream": True, "sampling_params": {
-                               "max_new_tokens": 40, "ignore_eos": True, "temperature": 0}}) as r:
+        with client.stream(
+            "POST",
+            path,
+            json={**body, "stream": True, "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+            if path != "/generate"
+            else {
+                **body,
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0},
+            },
+        ) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"
         last = json.loads(lines[-2][6:])
@@ -307,8 +426,6 @@ def test_a_stream_that_fails_ends_with_an_error_event(app_client, monkeypatch):
     eng.shutdown()
     r = client.get("/health")
     assert r.status_code == 503 and "not running" in r.json()["message"]
-
-
 
 
 def test_tokenization_runs_off_the_event_loop(live):

@@ -1,4 +1,5 @@
 """End-to-end speculative decoding against tiny random transformers targets."""
+
 import os
 import warnings
 
@@ -18,8 +19,13 @@ warnings.filterwarnings("ignore")
 
 def random_draft(target: TargetModel, seed=0):
     torch.manual_seed(seed)
-    cfg = tiny_config(hidden_size=target.config.hidden_size, vocab_size=VOCAB, mask_token_id=VOCAB - 1,
-                      target_layer_ids=[0, 2], num_target_layers=target.num_layers)
+    cfg = tiny_config(
+        hidden_size=target.config.hidden_size,
+        vocab_size=VOCAB,
+        mask_token_id=VOCAB - 1,
+        target_layer_ids=[0, 2],
+        num_target_layers=target.num_layers,
+    )
     return DFlashProposer(DFlash2DraftModel(cfg).init_weights(std=0.2), target.embed, target.lm_head_weight)
 
 
@@ -30,7 +36,7 @@ def target(request):
 
 def hf_greedy(target, prompt, n):
     out = target.model.generate(prompt[None], max_new_tokens=n, do_sample=False)
-    return out[0, prompt.numel():].tolist()
+    return out[0, prompt.numel() :].tolist()
 
 
 @pytest.mark.parametrize("width", [5, 8])
@@ -80,9 +86,10 @@ def test_full_block_and_rollback_exercised():
     t = TargetModel(build("llama"), layer_ids=[0, 2])
     prompt = torch.randint(3, VOCAB, (5,))
     ref = hf_greedy(t, prompt, 40)
-    r = speculative_generate(t, OracleProposer(ref, 5, error_rate=0.1), prompt,
-                             SamplingParams(max_new_tokens=40, ignore_eos=True), width=5)
-    assert r.token_ids[:len(ref)] == ref
+    r = speculative_generate(
+        t, OracleProposer(ref, 5, error_rate=0.1), prompt, SamplingParams(max_new_tokens=40, ignore_eos=True), width=5
+    )
+    assert r.token_ids[: len(ref)] == ref
     assert r.accept_hist[4] > 0 and sum(r.accept_hist[:4]) > 0
 
 
@@ -97,15 +104,17 @@ def test_hybrid_rollback_matches_fresh_target(per_position):
     with torch.no_grad():
         full = model(ids[None]).logits[0]
     state = t.new_state()
-    t.forward(state, ids[:7]); t.commit(state, 7)
+    t.forward(state, ids[:7])
+    t.commit(state, 7)
     pos = 7
     for keep in [1, 5, 2, 3, 1, 4]:
-        block = ids[pos:pos + 5].clone(); block[keep:] = 3  # rejected drafts differ from the truth
+        block = ids[pos : pos + 5].clone()
+        block[keep:] = 3  # rejected drafts differ from the truth
         logits, feats = t.forward(state, block)
-        torch.testing.assert_close(logits[:keep], full[pos:pos + keep], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits[:keep], full[pos : pos + keep], rtol=1e-4, atol=1e-4)
         t.commit(state, keep)
         pos += keep
-    logits, _ = t.forward(state, ids[pos:pos + 1])
+    logits, _ = t.forward(state, ids[pos : pos + 1])
     torch.testing.assert_close(logits[0], full[pos], rtol=1e-4, atol=1e-4)
 
 
@@ -134,12 +143,15 @@ class NoisyProposer:
     def __init__(self, vocab, seed):
         self.q = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 2, -1)
 
-    def begin(self, *a): pass
+    def begin(self, *a):
+        pass
 
-    def commit(self, *a): pass
+    def commit(self, *a):
+        pass
 
     def propose(self, anchor, anchor_pos, num, sampling, uniforms):
         from dflash2.verification import sample_from_probs
+
         toks = sample_from_probs(self.q.expand(num, -1), uniforms)
         return toks, self.q.expand(num, -1).clone()
 
@@ -167,7 +179,8 @@ def test_sampled_first_tokens_match_target_distribution(method, top_p):
         counts[toks[0] * V + toks[1]] += 1
     exp = joint.flatten() * n
     keep = exp > 5
-    obs = torch.cat([counts[keep], counts[~keep].sum()[None]]); ex = torch.cat([exp[keep], exp[~keep].sum()[None]])
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    ex = torch.cat([exp[keep], exp[~keep].sum()[None]])
     if ex[-1] == 0:
         obs, ex = obs[:-1], ex[:-1]
     assert chisquare(obs.numpy(), ex.numpy() * obs.sum().item() / ex.sum().item()).pvalue > 1e-4
@@ -195,6 +208,7 @@ def test_fast_cpu_matmul_matches_linear_and_is_contiguous():
     """The CPU fp32 path for 2-64 rows equals ``F.linear`` and hands back contiguous rows: a
     transposed view sent every verify-pass attention call to the slow math SDPA kernel."""
     from dflash2.model.draft import lm_head_matmul
+
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 48, generator=g)
     for shape in ((1, 48), (8, 48), (1, 8, 48), (2, 5, 48), (65, 48)):
@@ -208,6 +222,7 @@ def test_packed_cpu_linear_matches_linear():
     """oneDNN-packed weights compute ``F.linear`` at every row count, follow an in-place weight
     update (repack on ``_version``), and leave autograd to ``F.linear``."""
     from dflash2.model.cpu_linear import PackedWeight, onednn_available, pack_linears
+
     if not onednn_available():
         pytest.skip("this torch build has no oneDNN linear")
     g = torch.Generator().manual_seed(0)
@@ -232,6 +247,7 @@ def test_packed_cpu_linear_matches_linear():
 def test_packed_draft_keeps_logits():
     """A draft with packed Linears and token map gives the same block logits as without."""
     from dflash2.model.context_cache import DraftContextCache, draft_block
+
     cfg = tiny_config()
     draft = DFlash2DraftModel(cfg).init_weights(generator=torch.Generator().manual_seed(3)).eval()
     head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -244,7 +260,10 @@ def test_packed_draft_keeps_logits():
     def run():
         cache = DraftContextCache(draft)
         cache.append(draft, feats[0], 0)
-        return draft_block(draft, [cache], torch.tensor([5]), torch.tensor([9]), cfg.block_size, embed, head.weight).logits
+        return draft_block(
+            draft, [cache], torch.tensor([5]), torch.tensor([9]), cfg.block_size, embed, head.weight
+        ).logits
+
     with torch.no_grad():
         ref = run()
         assert draft.pack_cpu_linears() > 0
@@ -256,6 +275,7 @@ def test_int8_cpu_linear_is_close_and_follows_updates():
     """w8a8_int8 weights approximate ``F.linear`` (per-channel int8, dynamic activations), repack
     after an in-place update, and leave autograd to ``F.linear``."""
     from dflash2.model.cpu_linear import Int8Weight, int8_available, packed_or_none
+
     if not int8_available():
         pytest.skip("this torch build has no fbgemm/x86 quantized engine")
     g = torch.Generator().manual_seed(0)
@@ -285,6 +305,7 @@ def test_int8_draft_stays_lossless_and_keeps_fc_exact():
     """The w8a8_int8 drafter: layers and head rows quantised (logits move a little), ``fc`` left in
     fp32 (its input has outlier channels), and greedy decoding still equals the target's."""
     from dflash2.model.cpu_linear import Int8Weight, int8_available
+
     if not int8_available():
         pytest.skip("this torch build has no fbgemm/x86 quantized engine")
     t = TargetModel(build("llama", seed=5), layer_ids=[0, 2])
@@ -317,6 +338,7 @@ def test_kda_per_position_states_match_reference():
     equals the reference run on the first i tokens."""
     from transformers.models.kimi_linear import modeling_kimi_linear as mk
     from dflash2.target.recurrent import kda_states
+
     ref = getattr(mk.recurrent_kimi_delta_attention, "_dflash2_original", mk.recurrent_kimi_delta_attention)
     torch.manual_seed(0)
     B, L, H, dk, dv = 2, 6, 3, 4, 5
@@ -324,14 +346,23 @@ def test_kda_per_position_states_match_reference():
     v, g = torch.randn(B, L, H, dv), -torch.rand(B, L, H, dk)
     beta, s0 = torch.rand(B, L, H), torch.randn(B, H, dk, dv)
     out, states = kda_states(q, k, v, g, beta, s0, use_qk_l2norm_in_kernel=True)
-    ref_out, ref_final = ref(q, k, v, g=g, beta=beta, initial_state=s0, output_final_state=True,
-                             use_qk_l2norm_in_kernel=True)
+    ref_out, ref_final = ref(
+        q, k, v, g=g, beta=beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(states[-1], ref_final)
     torch.testing.assert_close(states[0], s0)
     for i in range(1, L):
-        _, s_i = ref(q[:, :i], k[:, :i], v[:, :i], g=g[:, :i], beta=beta[:, :i], initial_state=s0,
-                     output_final_state=True, use_qk_l2norm_in_kernel=True)
+        _, s_i = ref(
+            q[:, :i],
+            k[:, :i],
+            v[:, :i],
+            g=g[:, :i],
+            beta=beta[:, :i],
+            initial_state=s0,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
         torch.testing.assert_close(states[i], s_i)
 
 
@@ -344,7 +375,8 @@ def test_hybrid_rollback_uses_per_position_states():
     model.register_forward_pre_hook(lambda m, a, kw: calls.append(1), with_kwargs=True)
     state = t.new_state()
     ids = torch.randint(3, VOCAB, (12,))
-    t.forward(state, ids[:7]); t.commit(state, 7)
+    t.forward(state, ids[:7])
+    t.commit(state, 7)
     t.forward(state, ids[7:12])
     assert state.positions is not None and len(state.positions.states) == 2  # both linear layers recorded
     t.commit(state, 2)

@@ -1,4 +1,5 @@
 """Draft vocabulary subset (--speculative-token-map): logits, file errors, building, losslessness."""
+
 import json
 
 import pytest
@@ -25,7 +26,8 @@ def test_mapped_logits_equal_full_logits_on_the_map(target):
     draft.set_token_map(ids, target.lm_head_weight)
     mapped = draft.compute_logits(hidden, target.lm_head_weight)
     torch.testing.assert_close(mapped[..., ids], full[..., ids], rtol=1e-5, atol=1e-5)
-    off = torch.ones(VOCAB, dtype=torch.bool); off[ids] = False
+    off = torch.ones(VOCAB, dtype=torch.bool)
+    off[ids] = False
     assert torch.isneginf(mapped[..., off]).all()
     other_head = torch.randn_like(target.lm_head_weight)  # e.g. training with another head: map not used
     assert torch.isfinite(draft.compute_logits(hidden, other_head)).all()
@@ -65,12 +67,15 @@ def test_greedy_with_token_map_equals_target(target):
         proposed.update(toks.tolist())
         assert q is None  # temperature 0: one-hot, rebuilt by the loop for token / block
         return toks, q
+
     prop.propose = spy
     for _ in range(3):
         prompt = torch.randint(3, VOCAB, (8,), generator=g)
         ref = hf_greedy(target, prompt, 24)
         for method in ("greedy", "token", "block"):
-            r = speculative_generate(target, prop, prompt, SamplingParams(max_new_tokens=24), width=5, verify_method=method)
+            r = speculative_generate(
+                target, prop, prompt, SamplingParams(max_new_tokens=24), width=5, verify_method=method
+            )
             assert r.token_ids == ref
     assert proposed and proposed <= set(ids.tolist())
 

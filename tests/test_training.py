@@ -1,5 +1,6 @@
 """Drafter training end to end on a tiny target (CPU): loss falls, the checkpoint loads,
 acceptance beats the untrained draft."""
+
 import warnings
 
 import torch
@@ -17,9 +18,11 @@ warnings.filterwarnings("ignore")
 
 def test_sample_blocks_shapes_and_masks():
     ids = torch.arange(20).view(1, 20)
-    loss_mask = torch.zeros(1, 20, dtype=torch.bool); loss_mask[0, 8:] = True
-    b = sample_blocks(ids, loss_mask, num_anchors=6, width=4, mask_token_id=99, gamma=4.0,
-                      generator=torch.Generator().manual_seed(0))
+    loss_mask = torch.zeros(1, 20, dtype=torch.bool)
+    loss_mask[0, 8:] = True
+    b = sample_blocks(
+        ids, loss_mask, num_anchors=6, width=4, mask_token_id=99, gamma=4.0, generator=torch.Generator().manual_seed(0)
+    )
     assert b.block_ids.shape == (1, 6, 4) and (b.block_ids[..., 1:] == 99).all()
     for n in range(6):
         a = int(b.anchors[0, n])
@@ -35,9 +38,11 @@ def test_sample_blocks_shapes_and_masks():
 def test_distill_kl_matches_torch():
     torch.manual_seed(0)
     q_logits, p_logits = torch.randn(2, 3, 4, 11), torch.randn(2, 3, 4, 11)
-    w = torch.rand(2, 3, 4); w[0, 0] = 0
-    ref = torch.nn.functional.kl_div(torch.log_softmax(q_logits, -1), torch.log_softmax(p_logits, -1),
-                                     log_target=True, reduction="none").sum(-1)
+    w = torch.rand(2, 3, 4)
+    w[0, 0] = 0
+    ref = torch.nn.functional.kl_div(
+        torch.log_softmax(q_logits, -1), torch.log_softmax(p_logits, -1), log_target=True, reduction="none"
+    ).sum(-1)
     torch.testing.assert_close(distill_kl(q_logits, p_logits, w), (ref * w).sum() / w.sum())
     assert distill_kl(p_logits, p_logits, w).abs() < 1e-6
 
@@ -58,9 +63,12 @@ def test_selector_distill_is_kl_over_candidates():
     matched = p_logits.gather(-1, cand) + 3.0
     assert selector_distill(matched, cand, p_logits, w).abs() < 1e-6
     # mass outside the candidates does not count: raising a non-candidate's logit changes nothing
-    outside = torch.ones(V, dtype=torch.bool); outside[cand[0, 0]] = False
-    bumped = p_logits.clone(); bumped[0, 0, outside.nonzero()[0]] += 5.0
-    w1 = torch.zeros(2, 3); w1[0, 0] = 1
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[cand[0, 0]] = False
+    bumped = p_logits.clone()
+    bumped[0, 0, outside.nonzero()[0]] += 5.0
+    w1 = torch.zeros(2, 3)
+    w1[0, 0] = 1
     torch.testing.assert_close(selector_distill(scores, cand, bumped, w1), selector_distill(scores, cand, p_logits, w1))
 
 
@@ -73,12 +81,39 @@ def test_train_end_to_end(tmp_path):
         out = model.generate(prompts, max_new_tokens=40, do_sample=False, min_new_tokens=40)
     rows = [{"ids": r.to(torch.int32), "prompt_len": 8} for r in out]
     TokenDataset(rows).save(tmp_path / "data.pt")
-    dc = dict(num_hidden_layers=1, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-              qk_rope_head_dim=4, v_head_dim=8, intermediate_size=64, target_layer_ids=[1, 3], block_size=5,
-              mask_token_id=0, sliding_window=64, conv_group_size=4, selector_rank=8, selector_top_k=8, is_causal=True)
-    tc = TrainConfig(data=str(tmp_path / "data.pt"), output_dir=str(tmp_path / "draft"), draft_config=dc, steps=160,
-                     batch_size=16, max_len=64, anchors_per_seq=16, lr=3e-3, warmup=20, eval_every=160,
-                     eval_prompts=2, eval_max_new_tokens=16, save_every=80)
+    dc = dict(
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        intermediate_size=64,
+        target_layer_ids=[1, 3],
+        block_size=5,
+        mask_token_id=0,
+        sliding_window=64,
+        conv_group_size=4,
+        selector_rank=8,
+        selector_top_k=8,
+        is_causal=True,
+    )
+    tc = TrainConfig(
+        data=str(tmp_path / "data.pt"),
+        output_dir=str(tmp_path / "draft"),
+        draft_config=dc,
+        steps=160,
+        batch_size=16,
+        max_len=64,
+        anchors_per_seq=16,
+        lr=3e-3,
+        warmup=20,
+        eval_every=160,
+        eval_prompts=2,
+        eval_max_new_tokens=16,
+        save_every=80,
+    )
     res = train(tc, target=target)
     h = res["history"]
     first = sum(r["ce"] for r in h[:10]) / 10
@@ -94,9 +129,19 @@ def test_train_end_to_end(tmp_path):
     tc.resume, tc.steps = True, 170
     assert train(tc, target=target)["steps"] == 170
     # init_from + distillation: starts from the trained weights (CE far below a fresh start), KL logged
-    tc2 = TrainConfig(**{**tc.__dict__, "output_dir": str(tmp_path / "distilled"), "resume": False, "steps": 10,
-                         "init_from": str(tmp_path / "draft"), "kl_weight": 1.0, "selector_kl_weight": 1.0,
-                         "eval_every": 0, "warmup": 1})
+    tc2 = TrainConfig(
+        **{
+            **tc.__dict__,
+            "output_dir": str(tmp_path / "distilled"),
+            "resume": False,
+            "steps": 10,
+            "init_from": str(tmp_path / "draft"),
+            "kl_weight": 1.0,
+            "selector_kl_weight": 1.0,
+            "eval_every": 0,
+            "warmup": 1,
+        }
+    )
     h2 = train(tc2, target=target)["history"]
     assert h2[0]["ce"] < first - 0.5 and all(0 < r["kl"] < 50 for r in h2)
     assert all(0 < r["selector_kl"] < 20 for r in h2)
@@ -108,8 +153,16 @@ def test_training_prompts_and_generated_data():
     the target's own greedy answer to each prompt alone, and the loss mask covers the response only."""
     import transformers as tf
     from dflash2.target.loading import default_target_path
-    from dflash2.training.data import (GSM8K_SUFFIX, SHARED, generate_responses, gsm8k_prompts, render,
-                                       sharegpt_prompts, without_eval_prompts)
+    from dflash2.training.data import (
+        GSM8K_SUFFIX,
+        SHARED,
+        generate_responses,
+        gsm8k_prompts,
+        render,
+        sharegpt_prompts,
+        without_eval_prompts,
+    )
+
     gsm = SHARED / "data" / "gsm8k"
     train_p, test_p = gsm8k_prompts(gsm / "train.jsonl", 4), gsm8k_prompts(gsm / "test.jsonl", 3)
     assert all(p.endswith(GSM8K_SUFFIX) for p in train_p)
@@ -120,9 +173,18 @@ def test_training_prompts_and_generated_data():
 
     tok = tf.AutoTokenizer.from_pretrained(default_target_path())
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), bos_token_id=1, pad_token_id=0)
+    cfg = tf.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        bos_token_id=1,
+        pad_token_id=0,
+    )
     model = tf.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -130,7 +192,7 @@ def test_training_prompts_and_generated_data():
                 p.normal_(0, 0.3)
     prompts = [train_p[0], "Hi", share[0][:200], train_p[1]]  # different lengths: left padding in a batch
     rows = generate_responses(model, tok, prompts, batch_size=3, max_new_tokens=12)
-    by_prompt = {tuple(r["ids"][:r["prompt_len"]].tolist()): r for r in rows}
+    by_prompt = {tuple(r["ids"][: r["prompt_len"]].tolist()): r for r in rows}
     for p in prompts:
         ids = render(tok, p)
         r = by_prompt[tuple(ids)]

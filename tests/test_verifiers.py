@@ -1,10 +1,10 @@
 """Verifiers as pure functions on small synthetic vocabularies."""
+
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from dflash2.verification import (block_verify, greedy_verify, probs_from_logits, sample_from_probs,
-                                  token_level_verify)
+from dflash2.verification import block_verify, greedy_verify, probs_from_logits, sample_from_probs, token_level_verify
 from dflash2.verification.verifiers import _assemble, _first_false
 
 V, G = 4, 2  # vocabulary and drafts per step
@@ -37,7 +37,8 @@ def exact_joint(target, n_tokens):
     for idx in torch.cartesian_prod(*[torch.arange(V)] * n_tokens):
         pr, prev = 1.0, V
         for pos, tok in enumerate(idx.tolist()):
-            pr *= float(target.table[pos, prev, tok]); prev = tok
+            pr *= float(target.table[pos, prev, tok])
+            prev = tok
         probs[tuple(idx.tolist())] = pr
     return probs.flatten()
 
@@ -54,11 +55,18 @@ def run_chain(verifier, target, draft, n_rows, n_tokens, gen):
         for i in range(G):
             q = draft.dist(pos, p_prev)
             x = sample_from_probs(q, torch.rand(n_rows, generator=gen))
-            ps.append(target.dist(pos, p_prev)); qs.append(q); drafts.append(x)
+            ps.append(target.dist(pos, p_prev))
+            qs.append(q)
+            drafts.append(x)
             pos, p_prev = pos + 1, x
         ps.append(target.dist(pos, p_prev))
-        res = verifier(torch.stack(drafts, 1), torch.stack(qs, 1), torch.stack(ps, 1),
-                       torch.rand(n_rows, G, generator=gen), torch.rand(n_rows, generator=gen))
+        res = verifier(
+            torch.stack(drafts, 1),
+            torch.stack(qs, 1),
+            torch.stack(ps, 1),
+            torch.rand(n_rows, G, generator=gen),
+            torch.rand(n_rows, generator=gen),
+        )
         for j in range(G + 1):
             take = (j <= res.num_accepted) & (length < n_tokens)
             out[rows[take], length[take]] = res.tokens[take, j]
@@ -68,7 +76,7 @@ def run_chain(verifier, target, draft, n_rows, n_tokens, gen):
 
 def chi_pvalue(samples, target, n_tokens):
     idx = (samples * torch.tensor([V ** (n_tokens - 1 - i) for i in range(n_tokens)])).sum(1)
-    counts = torch.bincount(idx, minlength=V ** n_tokens).double()
+    counts = torch.bincount(idx, minlength=V**n_tokens).double()
     expected = exact_joint(target, n_tokens).double() * len(samples)
     keep = expected > 5  # chi-square needs populated bins; pool the rest
     obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
@@ -134,10 +142,13 @@ def test_logits_processing_semantics():
     torch.testing.assert_close(probs_from_logits(logits, 1.0, top_k=2), torch.tensor([[5 / 7, 2 / 7, 0, 0, 0]]))
     # top-p keeps the smallest prefix whose mass reaches p: 0.5+0.2 = 0.7 >= 0.6
     torch.testing.assert_close(probs_from_logits(logits, 1.0, top_p=0.6), torch.tensor([[5 / 7, 2 / 7, 0, 0, 0]]))
-    torch.testing.assert_close(probs_from_logits(logits, 1.0, top_p=0.7001),
-                               torch.tensor([[0.5, 0.2, 0.15, 0, 0]]) / 0.85)
+    torch.testing.assert_close(
+        probs_from_logits(logits, 1.0, top_p=0.7001), torch.tensor([[0.5, 0.2, 0.15, 0, 0]]) / 0.85
+    )
     # min-p: keep tokens with p >= min_p * max_p = 0.25 * 0.5
-    torch.testing.assert_close(probs_from_logits(logits, 1.0, min_p=0.25), torch.tensor([[0.5, 0.2, 0.15, 0, 0]]) / 0.85)
+    torch.testing.assert_close(
+        probs_from_logits(logits, 1.0, min_p=0.25), torch.tensor([[0.5, 0.2, 0.15, 0, 0]]) / 0.85
+    )
     # temperature sharpens; temperature 0 is one-hot
     t = probs_from_logits(logits, 0.5)
     torch.testing.assert_close(t, torch.softmax(logits / 0.5, -1))
@@ -160,6 +171,7 @@ def test_truncation_from_the_top_entries_equals_the_full_sort(monkeypatch, fast_
     """probs_from_logits truncates from each row's top entries when that is exact, and sorts the
     rest fully; both must give the full-sort result (ties included: coarse logits)."""
     import dflash2.sampling as lg
+
     g = torch.Generator().manual_seed(fast_top)
     V = 64
     logits = torch.cat([torch.randn(40, V, generator=g) * s for s in (0.3, 1.0, 4.0)])
@@ -169,12 +181,27 @@ def test_truncation_from_the_top_entries_equals_the_full_sort(monkeypatch, fast_
     top_k = torch.randint(0, 10, (R,), generator=g) - 1  # -1 / 0 (off) or 1..8: n = max(fast_top, max k)
     top_p = torch.rand(R, generator=g) * 0.9 + 0.1
     min_p = torch.where(torch.rand(R, generator=g) < 0.3, torch.rand(R, generator=g) * 0.2, torch.zeros(R))
-    monkeypatch.setattr(lg, "FAST_TOP", 10 ** 9)
+    monkeypatch.setattr(lg, "FAST_TOP", 10**9)
     ref = lg.probs_from_logits(logits, temp, top_k, top_p, min_p)
     monkeypatch.setattr(lg, "FAST_TOP", fast_top)
     got = lg.probs_from_logits(logits, temp, top_k, top_p, min_p)
     assert torch.equal(got > 0, ref > 0)
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
-    got3 = lg.probs_from_logits(logits.view(3, 40, V), temp.view(3, 40), top_k.view(3, 40), top_p.view(3, 40),
-                                min_p.view(3, 40))
+    got3 = lg.probs_from_logits(
+        logits.view(3, 40, V), temp.view(3, 40), top_k.view(3, 40), top_p.view(3, 40), min_p.view(3, 40)
+    )
     torch.testing.assert_close(got3.view(R, V), ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("verify", [token_level_verify, block_verify])
+def test_a_block_of_no_drafts_samples_the_target(verify):
+    """Width 1 (the planner's "target alone" step): no drafts, the emitted token is a draw from
+    ``p_target``'s only row."""
+    torch.manual_seed(0)
+    B, V = 20000, 6
+    p_target = torch.softmax(torch.randn(1, 1, V) * 2, -1).expand(B, 1, V)
+    res = verify(torch.empty(B, 0, dtype=torch.long), torch.empty(B, 0, V), p_target, torch.empty(B, 0), torch.rand(B))
+    assert (res.num_accepted == 0).all() and res.tokens.shape == (B, 1)
+    counts = torch.bincount(res.tokens[:, 0], minlength=V).double()
+    expected = p_target[0, 0].double() / p_target[0, 0].double().sum() * B
+    assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-4

@@ -3,6 +3,7 @@
 Keys inside ``dflash_config`` win over the same top-level keys (spec section 3). Unknown keys
 are kept in ``extra`` so a save/load round trip loses nothing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,14 +20,31 @@ class ConfigError(ValueError):
 
 # Keys stored under ``dflash_config`` in the public checkpoints.
 DFLASH_KEYS = (
-    "block_size", "target_layer_ids", "mask_token_id", "conv_kernel_size", "conv_group_size",
-    "selector_rank", "selector_top_k", "output_multiplier", "final_logit_softcapping",
+    "block_size",
+    "target_layer_ids",
+    "mask_token_id",
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "output_multiplier",
+    "final_logit_softcapping",
 )
 MAX_BLOCK_SIZE = 64  # the published drafter uses 5; the verify block and its buffers grow with it
 REQUIRED = (
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
-    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size", "vocab_size",
-    "target_layer_ids", "block_size", "mask_token_id",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "target_layer_ids",
+    "block_size",
+    "mask_token_id",
 )
 
 
@@ -130,18 +148,29 @@ class DFlash2Config:
         def bad(key: str, value: Any, why: str) -> ConfigError:
             return ConfigError(f"config key {key!r} = {value!r}: {why}")
 
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
-                    "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "intermediate_size",
-                    "vocab_size", "conv_kernel_size", "conv_group_size", "selector_rank",
-                    "selector_top_k", "max_position_embeddings"):
+        for key in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "conv_kernel_size",
+            "conv_group_size",
+            "selector_rank",
+            "selector_top_k",
+            "max_position_embeddings",
+        ):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise bad(key, v, "must be a positive integer")
         if not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
             raise bad("qk_rope_head_dim", self.qk_rope_head_dim, "must be a positive even integer (RoPE rotates pairs)")
         if self.hidden_size % self.conv_group_size:
-            raise bad("conv_group_size", self.conv_group_size,
-                      f"must divide hidden_size ({self.hidden_size})")
+            raise bad("conv_group_size", self.conv_group_size, f"must divide hidden_size ({self.hidden_size})")
         if not isinstance(self.sliding_window, int) or self.sliding_window <= 0:
             raise bad("sliding_window", self.sliding_window, "must be > 0")
         if not isinstance(self.block_size, int) or self.block_size < 2:
@@ -162,8 +191,11 @@ class DFlash2Config:
         if self.block_size > MAX_BLOCK_SIZE:
             raise bad("block_size", self.block_size, f"must be <= {MAX_BLOCK_SIZE} (one verify block per step)")
         if self.sliding_window > self.max_position_embeddings:
-            raise bad("sliding_window", self.sliding_window,
-                      f"must be <= max_position_embeddings ({self.max_position_embeddings})")
+            raise bad(
+                "sliding_window",
+                self.sliding_window,
+                f"must be <= max_position_embeddings ({self.max_position_embeddings})",
+            )
 
         def finite(key: str, low: float, high: float = math.inf, optional: bool = False) -> None:
             v = getattr(self, key)
@@ -202,7 +234,7 @@ class DFlash2Config:
 
     def softmax_scale(self) -> float:
         """``qk_head_dim^-0.5``, times ``mscale^2`` under YaRN with ``mscale_all_dim`` set."""
-        scale = self.qk_head_dim ** -0.5
+        scale = self.qk_head_dim**-0.5
         rs = self.yarn()
         if rs and rs.get("mscale_all_dim"):
             m = yarn_get_mscale(rs["factor"], rs["mscale_all_dim"])

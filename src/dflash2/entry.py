@@ -1,5 +1,6 @@
 """The entry layer: the model flags every subcommand shares and the one place that loads a target
 with its drafter from them. Imports no subcommand (the CLI, the server and the benchmarks import it)."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,15 +11,23 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DRAFT = REPO / "models" / "smollm2-135m-dflash2"
 
 
-DTYPE_ALIASES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32",
-                 "float": "float32", "fp32": "float32"}
+DTYPE_ALIASES = {
+    "auto": "auto",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+}
 
 
 def dtype_name(value: str) -> str:
     """SGLang's and vLLM's dtype spellings; float16 is refused with the reason (a flag never means less)."""
     if value in ("half", "float16", "fp16"):
-        raise argparse.ArgumentTypeError(f"{value}: float16 is not supported (bf16 keeps float32's range; the "
-                                         f"drafter's logits can overflow in fp16): use bfloat16")
+        raise argparse.ArgumentTypeError(
+            f"{value}: float16 is not supported (bf16 keeps float32's range; the "
+            f"drafter's logits can overflow in fp16): use bfloat16"
+        )
     if value not in DTYPE_ALIASES:
         raise argparse.ArgumentTypeError(f"{value}: use auto, bfloat16 or float32")
     return DTYPE_ALIASES[value]
@@ -26,31 +35,73 @@ def dtype_name(value: str) -> str:
 
 def resolve_device(name: str) -> str:
     import torch
+
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
 def add_model_flags(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model-path", "--model", default=None, help="target: folder with config.json or a .gguf (default: SmolLM2-135M-Instruct)")
+    ap.add_argument(
+        "--model-path",
+        "--model",
+        default=None,
+        help="target: folder with config.json or a .gguf (default: SmolLM2-135M-Instruct)",
+    )
     ap.add_argument("--speculative-algorithm", default="DFLASH", choices=["DFLASH", "NONE"])
-    ap.add_argument("--speculative-draft-model-path", default=None, help=f"drafter folder (default: {DEFAULT_DRAFT.relative_to(REPO)})")
-    ap.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                    help="verification width, counting the current token (default: the drafter's block_size)")
+    ap.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        help=f"drafter folder (default: {DEFAULT_DRAFT.relative_to(REPO)})",
+    )
+    ap.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=None,
+        help="verification width, counting the current token (default: the drafter's block_size)",
+    )
     ap.add_argument("--speculative-use-block-verification", action="store_true")
-    ap.add_argument("--speculative-token-map", default=None,
-                    help="draft vocabulary subset (.pt or .json ids); default: token_map.pt beside the drafter "
-                         "when present; 'none' scores the full vocabulary")
-    ap.add_argument("--speculative-draft-model-quantization", default="auto", choices=["auto", "none", "w8a8_int8"],
-                    help="w8a8_int8: the drafter's layers and head rows in int8 (CPU fp32 only; lossless, since "
-                         "the target verifies: the draft step gets cheaper, acceptance moves a little); "
-                         "auto (default): w8a8_int8 on the CPU in fp32, none elsewhere")
-    ap.add_argument("--dtype", default="auto", type=dtype_name,
-                    help="auto (bfloat16 on CUDA, float32 on the CPU), bfloat16 (bf16), float32 (float, fp32)")
+    ap.add_argument(
+        "--speculative-planner",
+        default="auto",
+        choices=["auto", "off"],
+        help="auto: each engine step verifies the full width or 1 (the target alone, no draft forward), "
+        "whichever promises more tokens/s from measured step costs and each request's acceptance; "
+        "off: always the full width (seeded sampling then repeats token for token under any load)",
+    )
+    ap.add_argument(
+        "--speculative-width-schedule",
+        default=None,
+        help="pin widths by decode batch size, e.g. 16:5,64:1 (up to 16 running: width 5; up to 64: 1; "
+        "more: 1); widths are 1 or --speculative-num-draft-tokens",
+    )
+    ap.add_argument(
+        "--speculative-token-map",
+        default=None,
+        help="draft vocabulary subset (.pt or .json ids); default: token_map.pt beside the drafter "
+        "when present; 'none' scores the full vocabulary",
+    )
+    ap.add_argument(
+        "--speculative-draft-model-quantization",
+        default="auto",
+        choices=["auto", "none", "w8a8_int8"],
+        help="w8a8_int8: the drafter's layers and head rows in int8 (CPU fp32 only; lossless, since "
+        "the target verifies: the draft step gets cheaper, acceptance moves a little); "
+        "auto (default): w8a8_int8 on the CPU in fp32, none elsewhere",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        type=dtype_name,
+        help="auto (bfloat16 on CUDA, float32 on the CPU), bfloat16 (bf16), float32 (float, fp32)",
+    )
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when there is a GPU")
     ap.add_argument("--trust-remote-code", action="store_true")
-    ap.add_argument("--disable-cuda-graph", action="store_true",
-                    help="on CUDA: run eagerly instead of replaying CUDA graphs over static buffers (per batch "
-                         "size; batch 1 is the engine with one slot), else the paged runner. "
-                         "Graphs need a dense full-attention Llama/Qwen/Mistral target; others run eagerly anyway")
+    ap.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="on CUDA: run eagerly instead of replaying CUDA graphs over static buffers (per batch "
+        "size; batch 1 is the engine with one slot), else the paged runner. "
+        "Graphs need a dense full-attention Llama/Qwen/Mistral target; others run eagerly anyway",
+    )
     ap.add_argument("--verify-manifest", default=None, help="refuse a drafter whose files fail this manifest")
     ap.add_argument("--manifest-signature", default=None)
     ap.add_argument("--manifest-public-key", default=None)
@@ -79,8 +130,10 @@ def load_models(args):
         path = Path(args.speculative_draft_model_path or DEFAULT_DRAFT)
         if args.verify_manifest:
             from .integrity.manifest import verify_folder
-            if not verify_folder(path, args.verify_manifest, args.manifest_signature, args.manifest_public_key,
-                                 progress=False):
+
+            if not verify_folder(
+                path, args.verify_manifest, args.manifest_signature, args.manifest_public_key, progress=False
+            ):
                 raise CheckpointError(f"{path}: refused, the files do not match {args.verify_manifest}")
         dtype = resolve_dtype(args.dtype, args.device)
         draft = load_draft(path, device=args.device, dtype=dtype)
@@ -94,16 +147,27 @@ def load_models(args):
             if args.speculative_num_draft_tokens < 2:
                 raise SystemExit("--speculative-num-draft-tokens must be >= 2")
             if args.speculative_num_draft_tokens != width:
-                warnings.warn(f"--speculative-num-draft-tokens {args.speculative_num_draft_tokens} overrides the "
-                              f"drafter's block_size {width}")
+                warnings.warn(
+                    f"--speculative-num-draft-tokens {args.speculative_num_draft_tokens} overrides the "
+                    f"drafter's block_size {width}"
+                )
             width = args.speculative_num_draft_tokens
-    target = load_target(args.model_path, args.dtype, args.device,
-                         layer_ids=draft.config.target_layer_ids if draft else [],
-                         trust_remote_code=args.trust_remote_code)
+    target = load_target(
+        args.model_path,
+        args.dtype,
+        args.device,
+        layer_ids=draft.config.target_layer_ids if draft else [],
+        trust_remote_code=args.trust_remote_code,
+    )
     if draft is not None:
-        if draft.config.hidden_size != target.config.hidden_size or draft.config.vocab_size != target.lm_head_weight.shape[0]:
-            raise SystemExit(f"drafter (hidden {draft.config.hidden_size}, vocab {draft.config.vocab_size}) does not fit "
-                             f"the target (hidden {target.config.hidden_size}, vocab {target.lm_head_weight.shape[0]})")
+        if (
+            draft.config.hidden_size != target.config.hidden_size
+            or draft.config.vocab_size != target.lm_head_weight.shape[0]
+        ):
+            raise SystemExit(
+                f"drafter (hidden {draft.config.hidden_size}, vocab {draft.config.vocab_size}) does not fit "
+                f"the target (hidden {target.config.hidden_size}, vocab {target.lm_head_weight.shape[0]})"
+            )
         map_path = getattr(args, "speculative_token_map", None)
         if map_path is None and (path / TOKEN_MAP_NAME).is_file():
             map_path = path / TOKEN_MAP_NAME
@@ -117,5 +181,12 @@ def load_models(args):
 
 def sampling_from(args):
     from .verification import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          max_new_tokens=args.max_new_tokens, seed=args.seed)
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )

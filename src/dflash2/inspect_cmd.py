@@ -1,4 +1,5 @@
 """``dflash2 inspect``: config summary and parameter count by group (meta device)."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -6,6 +6,7 @@ same probabilities (so top-k and top-p commute, as in SGLang), and the survivors
 Temperature 0 (or anything below ``GREEDY_BELOW``) means greedy: a one-hot row at the argmax
 (first index on ties).
 """
+
 from __future__ import annotations
 
 import math
@@ -13,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-GREEDY_BELOW = 1e-5          # as vLLM: smaller temperatures are greedy (1/T would overflow the logits)
-MAX_TEMPERATURE = 100.0      # T=100 is already uniform to float32 precision; larger values overflow
-MAX_TOP_K = 2**31 - 1        # beyond int32 nothing changes (no vocabulary is that large)
+GREEDY_BELOW = 1e-5  # as vLLM: smaller temperatures are greedy (1/T would overflow the logits)
+MAX_TEMPERATURE = 100.0  # T=100 is already uniform to float32 precision; larger values overflow
+MAX_TOP_K = 2**31 - 1  # beyond int32 nothing changes (no vocabulary is that large)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
@@ -23,7 +24,7 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
-    top_k: int = -1          # -1 or 0: off
+    top_k: int = -1  # -1 or 0: off
     min_p: float = 0.0
     max_new_tokens: int = 128
     seed: int | None = None
@@ -38,14 +39,20 @@ class SamplingParams:
             return isinstance(x, int) and not isinstance(x, bool)
 
         checks = (
-            ("temperature", num(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
-             f"a finite number in [0, {MAX_TEMPERATURE:g}]"),
+            (
+                "temperature",
+                num(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+                f"a finite number in [0, {MAX_TEMPERATURE:g}]",
+            ),
             ("top_p", num(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("min_p", num(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
             ("top_k", whole(self.top_k) and -1 <= self.top_k <= MAX_TOP_K, f"-1 or 0 (off), or in [1, {MAX_TOP_K}]"),
             ("max_new_tokens", whole(self.max_new_tokens) and self.max_new_tokens >= 1, "an integer >= 1"),
-            ("seed", self.seed is None or (whole(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
-             f"null or an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]"),
+            (
+                "seed",
+                self.seed is None or (whole(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+                f"null or an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]",
+            ),
             ("stop_token_ids", all(whole(t) and t >= 0 for t in self.stop_token_ids), "non-negative token ids"),
         )
         for name, ok, want in checks:
@@ -74,9 +81,11 @@ def _drop(sorted_p, k, tp, mp) -> torch.Tensor:
     """What top-k / top-p / min-p drop from rows sorted descending (ties by id): a suffix of each row."""
     rank = torch.arange(sorted_p.shape[-1], device=sorted_p.device)
     # top_p 1 drops nothing (the cumulative sum may round past 1 in the tail)
-    return ((k > 0) & (rank >= k)) \
-        | (((sorted_p.cumsum(-1) - sorted_p) > tp) & (tp < 1)) \
-        | (sorted_p < sorted_p[..., :1] * mp)  # top-k | smallest prefix reaching top_p | min-p
+    return (
+        ((k > 0) & (rank >= k))
+        | (((sorted_p.cumsum(-1) - sorted_p) > tp) & (tp < 1))
+        | (sorted_p < sorted_p[..., :1] * mp)
+    )  # top-k | smallest prefix reaching top_p | min-p
 
 
 def _truncate(probs, sorted_p, idx, k, tp, mp) -> torch.Tensor:
@@ -91,7 +100,7 @@ def _truncate_top(probs, k, tp, mp, n: int) -> tuple[torch.Tensor, torch.Tensor]
     if n >= probs.shape[-1]:
         return torch.empty_like(probs), torch.zeros(probs.shape[0], dtype=torch.bool, device=probs.device)
     vals, idx = probs.topk(n, dim=-1)
-    idx, order = idx.sort(dim=-1)                                     # ties by id, as the stable full sort
+    idx, order = idx.sort(dim=-1)  # ties by id, as the stable full sort
     vals, order = vals.gather(-1, order).sort(dim=-1, descending=True, stable=True)
     idx = idx.gather(-1, order)
     keep = ~_drop(vals, k, tp, mp)
@@ -100,8 +109,9 @@ def _truncate_top(probs, k, tp, mp, n: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.zeros_like(probs).scatter_(-1, idx, vals.masked_fill(~keep, 0.0)), ok
 
 
-def probs_from_logits(logits: torch.Tensor, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0,
-                      capturable: bool = False) -> torch.Tensor:
+def probs_from_logits(
+    logits: torch.Tensor, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, capturable: bool = False
+) -> torch.Tensor:
     """Rows of ``logits [..., V]`` -> processed probabilities (float32). Parameters are scalars
     or tensors over the leading dims (e.g. one value per request). ``capturable``: no read of a
     device value on the host, so a CUDA graph can hold it: truncation sorts whole rows (the exact
@@ -117,8 +127,9 @@ def probs_from_logits(logits: torch.Tensor, temperature=0.0, top_k=-1, top_p=1.0
     tp = _col(top_p, logits[..., 0], torch.float32).unsqueeze(-1)
     mp = _col(min_p, logits[..., 0], torch.float32).unsqueeze(-1)
     if capturable:
-        truncate = any(isinstance(x, torch.Tensor) for x in (top_k, top_p, min_p)) \
-            or 0 < top_k < V or top_p < 1 or min_p > 0
+        truncate = (
+            any(isinstance(x, torch.Tensor) for x in (top_k, top_p, min_p)) or 0 < top_k < V or top_p < 1 or min_p > 0
+        )
     else:
         truncate = bool(((k > 0) & (k < V)).any() | (tp < 1).any() | (mp > 0).any())
     if truncate:

@@ -1,5 +1,6 @@
 """``dflash2 bench acceptance``: the card's table (acc_len, token-weighted and pooled AL) against
 a running server (``/generate``'s ``meta_info``, ours or SGLang's) or in process."""
+
 from __future__ import annotations
 
 import json
@@ -16,12 +17,15 @@ from .metrics import aggregate, per_position
 
 def add_acceptance_parser(bsub) -> None:
     from ..entry import add_model_flags
+
     p = bsub.add_parser("acceptance", help="acceptance length on GSM8K / AIME / GPQA (the card's table)")
     add_model_flags(p)
     p.add_argument("--base-url", default=None, help="a running server (ours or SGLang); else in process")
     p.add_argument("--tokenizer-path", default=None, help="for the chat template when --base-url is given")
     p.add_argument("--dataset", default="gsm8k")
-    p.add_argument("--gsm8k-path"); p.add_argument("--aime-path"); p.add_argument("--gpqa-path")
+    p.add_argument("--gsm8k-path")
+    p.add_argument("--aime-path")
+    p.add_argument("--gpqa-path")
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--num-workers", type=int, default=32)
@@ -49,25 +53,36 @@ def load_items(args) -> dict[str, list]:
 
 
 def render_text(tokenizer, prompt: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
 
 
 class ServerBackend:
     def __init__(self, base_url: str, tokenizer, args):
         import httpx
+
         self.client = httpx.Client(base_url=base_url.rstrip("/"), timeout=3600)
         self.tok, self.args = tokenizer, args
 
     def run(self, item) -> dict:
-        sp = {"temperature": self.args.temperature, "top_p": self.args.top_p, "max_new_tokens": self.args.max_tokens,
-              "seed": item.seed, "sampling_seed": item.seed}
+        sp = {
+            "temperature": self.args.temperature,
+            "top_p": self.args.top_p,
+            "max_new_tokens": self.args.max_tokens,
+            "seed": item.seed,
+            "sampling_seed": item.seed,
+        }
         r = self.client.post("/generate", json={"text": render_text(self.tok, item.prompt), "sampling_params": sp})
         r.raise_for_status()
         meta = r.json()["meta_info"]
         fr = meta.get("finish_reason") or {}
-        return {"C": meta["completion_tokens"], "V": meta["spec_verify_ct"],
-                "finish": fr.get("type", "stop") if isinstance(fr, dict) else str(fr),
-                "hist": meta.get("spec_accept_histogram")}
+        return {
+            "C": meta["completion_tokens"],
+            "V": meta["spec_verify_ct"],
+            "finish": fr.get("type", "stop") if isinstance(fr, dict) else str(fr),
+            "hist": meta.get("spec_accept_histogram"),
+        }
 
 
 class EngineBackend:
@@ -76,11 +91,22 @@ class EngineBackend:
     def __init__(self, args):
         from ..entry import load_models
         from ..engine.engine import EngineConfig, LLMEngine
+
         target, draft, width = load_models(args)
         self.tok = target.tokenizer
-        self.engine = LLMEngine(target, draft, EngineConfig.for_models(
-            target, draft, width, max_running_requests=args.max_running_requests,
-            block_verification=args.speculative_use_block_verification, disable_cuda_graph=args.disable_cuda_graph))
+        self.engine = LLMEngine(
+            target,
+            draft,
+            EngineConfig.for_models(
+                target,
+                draft,
+                width,
+                max_running_requests=args.max_running_requests,
+                block_verification=args.speculative_use_block_verification,
+                disable_cuda_graph=args.disable_cuda_graph,
+                speculative_planner="off",  # acceptance at the loaded width: a width-1 step would count as AL 1
+            ),
+        )
         self.engine.start()
         self.args = args
 
@@ -88,10 +114,18 @@ class EngineBackend:
         from ..engine.request import Request
         from ..training.data import render
         from ..verification import SamplingParams
+
         done = threading.Event()
-        req = Request(render(self.tok, item.prompt), SamplingParams(
-            temperature=self.args.temperature, top_p=self.args.top_p, max_new_tokens=self.args.max_tokens, seed=item.seed),
-            on_update=lambda r, new: done.set() if r.finished else None)
+        req = Request(
+            render(self.tok, item.prompt),
+            SamplingParams(
+                temperature=self.args.temperature,
+                top_p=self.args.top_p,
+                max_new_tokens=self.args.max_tokens,
+                seed=item.seed,
+            ),
+            on_update=lambda r, new: done.set() if r.finished else None,
+        )
         self.engine.add_request(req)
         done.wait()
         if req.finish_reason == "error":
@@ -126,11 +160,18 @@ def run_suites(backend, items: dict[str, list], num_workers: int) -> dict:
             if r.get("hist"):
                 hist = [a + b for a, b in zip(hist, r["hist"])] if hist else list(r["hist"])
         res = aggregate(C, V)
-        res.update({"C": C, "V": V, "mean_completion": sum(C) / max(len(C), 1),
-                    "finished_eot": sum(r["finish"] == "stop" for r in ok),
-                    "truncated": sum(r["finish"] == "length" for r in ok),
-                    "failed": len(rows) - len(ok), "retried": sum(r["retried"] for r in rows),
-                    "per_position": per_position(hist) if hist else None})
+        res.update(
+            {
+                "C": C,
+                "V": V,
+                "mean_completion": sum(C) / max(len(C), 1),
+                "finished_eot": sum(r["finish"] == "stop" for r in ok),
+                "truncated": sum(r["finish"] == "length" for r in ok),
+                "failed": len(rows) - len(ok),
+                "retried": sum(r["retried"] for r in rows),
+                "per_position": per_position(hist) if hist else None,
+            }
+        )
         results[name] = res
     for b in bars.values():
         b.close()
@@ -138,10 +179,14 @@ def run_suites(backend, items: dict[str, list], num_workers: int) -> dict:
 
 
 def format_table(results: dict) -> str:
-    lines = [f"{'dataset':<8}{'samples':>8}{'acc_len':>9}{'weighted':>10}{'pooled':>8}{'mean C':>8}{'eot':>6}{'trunc':>6}{'fail':>5}"]
+    lines = [
+        f"{'dataset':<8}{'samples':>8}{'acc_len':>9}{'weighted':>10}{'pooled':>8}{'mean C':>8}{'eot':>6}{'trunc':>6}{'fail':>5}"
+    ]
     for name, r in results.items():
-        lines.append(f"{name:<8}{r['samples']:>8}{r['acc_len']:>9.3f}{r['weighted_al']:>10.3f}{r['pooled_al']:>8.3f}"
-                     f"{r['mean_completion']:>8.1f}{r['finished_eot']:>6}{r['truncated']:>6}{r['failed']:>5}")
+        lines.append(
+            f"{name:<8}{r['samples']:>8}{r['acc_len']:>9.3f}{r['weighted_al']:>10.3f}{r['pooled_al']:>8.3f}"
+            f"{r['mean_completion']:>8.1f}{r['finished_eot']:>6}{r['truncated']:>6}{r['failed']:>5}"
+        )
         if r.get("per_position"):
             lines.append("  per-position acceptance: " + " ".join(f"{x:.3f}" for x in r["per_position"]))
     return "\n".join(lines)
@@ -149,15 +194,21 @@ def format_table(results: dict) -> str:
 
 def plot(results: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, r in results.items():
         L = [c / v for c, v in zip(r["C"], r["V"]) if v]
         if L:
             ax.hist(L, bins=30, alpha=0.5, label=f"{name} (acc_len {r['acc_len']:.2f})")
-    ax.set_xlabel("acceptance length C/V per request"); ax.set_ylabel("requests"); ax.legend()
-    fig.tight_layout(); fig.savefig(path, dpi=120); plt.close(fig)
+    ax.set_xlabel("acceptance length C/V per request")
+    ax.set_ylabel("requests")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def cmd_acceptance(args) -> int:
@@ -166,6 +217,7 @@ def cmd_acceptance(args) -> int:
         from transformers import AutoTokenizer
 
         from ..target.loading import default_target_path
+
         tok = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path or default_target_path())
         backend = ServerBackend(args.base_url, tok, args)
     else:

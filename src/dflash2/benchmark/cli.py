@@ -1,4 +1,5 @@
 """``dflash2 bench speed``: side-by-side speed in process (target alone vs DFlash2)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,28 +10,54 @@ def add_bench_parser(sub) -> None:
     bsub = p.add_subparsers(dest="bench_cmd", required=True)
     s = bsub.add_parser("speed", help="target alone vs DFlash2 on the same prompts, in one run")
     from ..entry import add_model_flags
+
     add_model_flags(s)
-    s.add_argument("--gsm8k-path", default=str(Path(__file__).resolve().parents[3].parent / "shared/data/gsm8k/test.jsonl"))
+    s.add_argument(
+        "--gsm8k-path", default=str(Path(__file__).resolve().parents[3].parent / "shared/data/gsm8k/test.jsonl")
+    )
     s.add_argument("--limit", type=int, default=20)
     s.add_argument("--max-new-tokens", type=int, default=256)
-    s.add_argument("--widths", default=None,
-                   help="e.g. 5,8 (default: the loaded width, --speculative-num-draft-tokens or the drafter's)")
+    s.add_argument(
+        "--widths",
+        default=None,
+        help="e.g. 5,8 (default: the loaded width, --speculative-num-draft-tokens or the drafter's)",
+    )
     s.add_argument("--temperatures", default="0,1")
-    s.add_argument("--verifiers", default=None,
-                   help="e.g. token,block (default: block with --speculative-use-block-verification, else token)")
-    s.add_argument("--concurrency", default=None,
-                   help="e.g. 1,8,32,64: measure through the serving engine at these concurrencies "
-                        "(else batch 1 through the single-request loop)")
+    s.add_argument(
+        "--verifiers",
+        default=None,
+        help="e.g. token,block (default: block with --speculative-use-block-verification, else token)",
+    )
+    s.add_argument(
+        "--concurrency",
+        default=None,
+        help="e.g. 1,8,32,64: measure through the serving engine at these concurrencies "
+        "(else batch 1 through the single-request loop)",
+    )
     s.add_argument("--temperature", type=float, default=0.0, help="with --concurrency")
-    s.add_argument("--requests-per-slot", type=int, default=None,
-                   help="with --concurrency: run min(limit, N x concurrency) requests per level (default: all prompts)")
-    s.add_argument("--rounds", type=int, default=1,
-                   help="with --concurrency: repeat every config N times in rotated order and pool them "
-                        "(use 3+ on a noisy or shared machine)")
+    s.add_argument(
+        "--requests-per-slot",
+        type=int,
+        default=None,
+        help="with --concurrency: run min(limit, N x concurrency) requests per level (default: all prompts)",
+    )
+    s.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --concurrency: repeat every config N times in rotated order and pool them "
+        "(use 3+ on a noisy or shared machine)",
+    )
+    s.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="with --concurrency: each DFlash2 config again with the planner choosing its width per step",
+    )
     s.add_argument("--output", default=None)
     s.add_argument("--plot", default=None, help="PNG of speedup against concurrency")
     s.set_defaults(fn=cmd_speed)
     from .acceptance_cli import add_acceptance_parser
+
     add_acceptance_parser(bsub)
 
 
@@ -38,8 +65,11 @@ def speed_configs(args, width: int) -> tuple[list[int], list[str]]:
     """The widths and sampled verifiers to time: ``--widths`` / ``--verifiers`` when given, else the
     loaded width and the verifier the model flags chose (no model flag is silently ignored)."""
     widths = [int(w) for w in args.widths.split(",")] if args.widths else [width]
-    verifiers = args.verifiers.split(",") if args.verifiers else \
-        ["block" if args.speculative_use_block_verification else "token"]
+    verifiers = (
+        args.verifiers.split(",")
+        if args.verifiers
+        else ["block" if args.speculative_use_block_verification else "token"]
+    )
     bad = [v for v in verifiers if v not in ("token", "block")]
     if bad or any(w < 2 for w in widths):
         raise SystemExit(f"--verifiers must be token or block and --widths >= 2 (got {args.verifiers}, {args.widths})")
@@ -52,25 +82,42 @@ def cmd_speed(args) -> int:
 
     target, draft, width = load_models(args)
     if draft is None:
-        raise SystemExit("bench speed compares the target alone with DFlash2: --speculative-algorithm NONE "
-                         "leaves nothing to compare")
+        raise SystemExit(
+            "bench speed compares the target alone with DFlash2: --speculative-algorithm NONE leaves nothing to compare"
+        )
     widths, verifiers = speed_configs(args, width)
     prompts = gsm8k_test_prompts(args.gsm8k_path, args.limit)
     if args.concurrency:
         from . import engine_speed
-        rows = engine_speed.run(target, draft, prompts, widths,
-                                verifiers, [int(c) for c in args.concurrency.split(",")],
-                                args.max_new_tokens, args.temperature, args.requests_per_slot, args.rounds,
-                                on_level=lambda rows: (print(engine_speed.table(rows), flush=True),
-                                                       engine_speed.save(rows, args.output)),
-                                disable_cuda_graph=args.disable_cuda_graph)
+
+        rows = engine_speed.run(
+            target,
+            draft,
+            prompts,
+            widths,
+            verifiers,
+            [int(c) for c in args.concurrency.split(",")],
+            args.max_new_tokens,
+            args.temperature,
+            args.requests_per_slot,
+            args.rounds,
+            on_level=lambda rows: (print(engine_speed.table(rows), flush=True), engine_speed.save(rows, args.output)),
+            disable_cuda_graph=args.disable_cuda_graph,
+            adaptive=args.adaptive,
+        )
         engine_speed.save(rows, args.output, args.plot)
         return 0
     print("batch 1: the engine with one slot", flush=True)
-    rows = side_by_side(target, draft, prompts, widths=widths,
-                        temperatures=[float(t) for t in args.temperatures.split(",")],
-                        max_new_tokens=args.max_new_tokens, verifies=tuple(verifiers),
-                        disable_cuda_graph=args.disable_cuda_graph)
+    rows = side_by_side(
+        target,
+        draft,
+        prompts,
+        widths=widths,
+        temperatures=[float(t) for t in args.temperatures.split(",")],
+        max_new_tokens=args.max_new_tokens,
+        verifies=tuple(verifiers),
+        disable_cuda_graph=args.disable_cuda_graph,
+    )
     print(format_table(rows))
     if args.output:
         save_rows(rows, args.output)

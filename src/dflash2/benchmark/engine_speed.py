@@ -1,5 +1,6 @@
 """Side-by-side speed through the serving engine at several concurrencies (continuous batching):
 the target alone and DFlash2 at each width and verifier, on the same prompts and hardware."""
+
 from __future__ import annotations
 
 import json
@@ -27,32 +28,63 @@ class ConcurrencyRow:
     overhead_ms_per_step: float
     speedup: float = 1.0
     rounds: int = 1
-    tokens_per_s_min: float = 0.0   # spread over the rounds
+    tokens_per_s_min: float = 0.0  # spread over the rounds
     tokens_per_s_max: float = 0.0
     round_tokens_per_s: list = field(default_factory=list)  # round by round, to see drift over time
-    round_slots: list = field(default_factory=list)         # each round's place in the whole run's order
+    round_slots: list = field(default_factory=list)  # each round's place in the whole run's order
+    mean_width: float = 0.0  # verify width per step, averaged (the planner's choices; fixed rows: their width)
 
 
-def measure(target, draft, prompt_ids, width: int, block: bool, concurrency: int, max_new_tokens: int,
-            temperature: float, name: str, requests_per_slot: int | None = None,
-            disable_cuda_graph: bool = False, engines: dict | None = None) -> ConcurrencyRow:
+def measure(
+    target,
+    draft,
+    prompt_ids,
+    width: int,
+    block: bool,
+    concurrency: int,
+    max_new_tokens: int,
+    temperature: float,
+    name: str,
+    requests_per_slot: int | None = None,
+    disable_cuda_graph: bool = False,
+    engines: dict | None = None,
+    planner: str = "off",
+) -> ConcurrencyRow:
     """One config at one concurrency. ``engines``: engines kept across calls, one per config and
     concurrency, so the warm-up pass and the timed rounds run on the same engine, as a warmed-up
     server would (on CUDA an engine captures its graphs when it is built)."""
-    key = (width if draft is not None else 1, block, concurrency, disable_cuda_graph)
+    key = (width if draft is not None else 1, block, concurrency, disable_cuda_graph, planner)
     eng = (engines or {}).get(key)
     if eng is None:
-        eng = LLMEngine(target, draft, EngineConfig.for_models(
-            target, draft, width, context_length=4096, max_running_requests=concurrency, block_verification=block,
-            max_total_tokens=max(65536, concurrency * 2048), disable_cuda_graph=disable_cuda_graph))
+        eng = LLMEngine(
+            target,
+            draft,
+            EngineConfig.for_models(
+                target,
+                draft,
+                width,
+                context_length=4096,
+                max_running_requests=concurrency,
+                block_verification=block,
+                max_total_tokens=max(65536, concurrency * 2048),
+                disable_cuda_graph=disable_cuda_graph,
+                speculative_planner=planner,
+            ),
+        )
         if engines is not None:
             engines[key] = eng
     eng.stats = EngineStats(accepted_by_position=[0] * max(eng.width - 1, 0))
     n = len(prompt_ids) if requests_per_slot is None else min(len(prompt_ids), requests_per_slot * concurrency)
     n = max(concurrency, n)
-    reqs = [Request(prompt_ids[i % len(prompt_ids)], SamplingParams(
-        temperature=temperature, top_p=0.95 if temperature else 1.0, max_new_tokens=max_new_tokens, seed=i))
-        for i in range(n)]
+    reqs = [
+        Request(
+            prompt_ids[i % len(prompt_ids)],
+            SamplingParams(
+                temperature=temperature, top_p=0.95 if temperature else 1.0, max_new_tokens=max_new_tokens, seed=i
+            ),
+        )
+        for i in range(n)
+    ]
     t0 = time.perf_counter()
     for r in reqs:
         eng.add_request(r)
@@ -62,9 +94,21 @@ def measure(target, draft, prompt_ids, width: int, block: bool, concurrency: int
     C = sum(len(r.output_ids) for r in reqs)
     V = sum(r.verify_steps for r in reqs)
     steps = max(s.steps, 1)
-    return ConcurrencyRow(name, concurrency, n, C, secs, C / secs, C / max(V, 1), 1e3 * s.draft_s / steps,
-                          1e3 * s.verify_s / steps, 1e3 * (s.step_s - s.draft_s - s.verify_s) / steps,
-                          tokens_per_s_min=C / secs, tokens_per_s_max=C / secs)
+    return ConcurrencyRow(
+        name,
+        concurrency,
+        n,
+        C,
+        secs,
+        C / secs,
+        C / max(V, 1),
+        1e3 * s.draft_s / steps,
+        1e3 * s.verify_s / steps,
+        1e3 * (s.step_s - s.draft_s - s.verify_s) / steps,
+        tokens_per_s_min=C / secs,
+        tokens_per_s_max=C / secs,
+        mean_width=sum(w * k for w, k in s.steps_by_width.items()) / steps,
+    )
 
 
 def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
@@ -75,24 +119,54 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
     steps = [r.output_tokens / max(r.accept_length, 1e-9) for r in rows]  # verify steps of each round
     w = sum(steps)
     avg = lambda f: sum(getattr(r, f) * n for r, n in zip(rows, steps)) / w  # noqa: E731
-    return ConcurrencyRow(first.config, first.concurrency, sum(r.requests for r in rows), tok, secs, tok / secs,
-                          tok / w, avg("draft_ms_per_step"), avg("verify_ms_per_step"), avg("overhead_ms_per_step"),
-                          rounds=len(rows), tokens_per_s_min=min(r.tokens_per_s for r in rows),
-                          tokens_per_s_max=max(r.tokens_per_s for r in rows),
-                          round_tokens_per_s=[r.tokens_per_s for r in rows],
-                          round_slots=[s for r in rows for s in r.round_slots])
+    return ConcurrencyRow(
+        first.config,
+        first.concurrency,
+        sum(r.requests for r in rows),
+        tok,
+        secs,
+        tok / secs,
+        tok / w,
+        avg("draft_ms_per_step"),
+        avg("verify_ms_per_step"),
+        avg("overhead_ms_per_step"),
+        rounds=len(rows),
+        tokens_per_s_min=min(r.tokens_per_s for r in rows),
+        tokens_per_s_max=max(r.tokens_per_s for r in rows),
+        round_tokens_per_s=[r.tokens_per_s for r in rows],
+        round_slots=[s for r in rows for s in r.round_slots],
+        mean_width=avg("mean_width"),
+    )
 
 
-def run(target, draft, prompts: list[str], widths, verifiers, concurrencies, max_new_tokens: int,
-        temperature: float, requests_per_slot: int | None = None, rounds: int = 1,
-        on_level=None, warmup: bool = True, disable_cuda_graph: bool = False) -> list[ConcurrencyRow]:
+def run(
+    target,
+    draft,
+    prompts: list[str],
+    widths,
+    verifiers,
+    concurrencies,
+    max_new_tokens: int,
+    temperature: float,
+    requests_per_slot: int | None = None,
+    rounds: int = 1,
+    on_level=None,
+    warmup: bool = True,
+    disable_cuda_graph: bool = False,
+    adaptive: bool = False,
+) -> list[ConcurrencyRow]:
     """Every config at every concurrency, ``rounds`` times. Round k runs the configs in an order
     rotated by k (target included), so no config is always the first after a change: on a lent,
     host-bound GPU one row's speed moved 2-3x with its place in the order. ``on_level(rows so far)``
-    runs after each concurrency level, so a run cut by a time limit keeps the levels it finished."""
+    runs after each concurrency level, so a run cut by a time limit keeps the levels it finished.
+    ``adaptive``: each DFlash2 config again with the planner choosing its width per step."""
     ids = [render(target.tokenizer, p) for p in prompts]
-    configs = [("target", None, 1, False)] + [(f"dflash2 w={w} {v}", draft, w, v == "block")
-                                               for w in widths for v in verifiers]
+    configs = [("target", None, 1, False, "off")] + [
+        (f"dflash2 w={w} {v}{' adaptive' if p == 'auto' else ''}", draft, w, v == "block", p)
+        for p in (("off", "auto") if adaptive else ("off",))
+        for w in widths
+        for v in verifiers
+    ]
     rows, slot = [], 0
     for c in concurrencies:
         done: dict[str, list[ConcurrencyRow]] = {name: [] for name, *_ in configs}
@@ -101,13 +175,39 @@ def run(target, draft, prompts: list[str], widths, verifiers, concurrencies, max
         # (concurrency, width) shape set was 2-3x slower than the next ones (15 vs 36 tok/s for the
         # target at c=1; the token rows, which ran before the block rows of the same width, took
         # the hit and the block rows after them did not), which skewed every speedup.
-        for name, d, w, block in configs if warmup else []:
-            measure(target, d, ids, w, block, c, max_new_tokens, temperature, "warm-up", requests_per_slot,
-                    disable_cuda_graph=disable_cuda_graph, engines=engines)
+        for name, d, w, block, p in configs if warmup else []:
+            measure(
+                target,
+                d,
+                ids,
+                w,
+                block,
+                c,
+                max_new_tokens,
+                temperature,
+                "warm-up",
+                requests_per_slot,
+                disable_cuda_graph=disable_cuda_graph,
+                engines=engines,
+                planner=p,
+            )
         for k in range(rounds):
-            for name, d, w, block in configs[k % len(configs):] + configs[:k % len(configs)]:
-                row = measure(target, d, ids, w, block, c, max_new_tokens, temperature, name, requests_per_slot,
-                              disable_cuda_graph=disable_cuda_graph, engines=engines)
+            for name, d, w, block, p in configs[k % len(configs) :] + configs[: k % len(configs)]:
+                row = measure(
+                    target,
+                    d,
+                    ids,
+                    w,
+                    block,
+                    c,
+                    max_new_tokens,
+                    temperature,
+                    name,
+                    requests_per_slot,
+                    disable_cuda_graph=disable_cuda_graph,
+                    engines=engines,
+                    planner=p,
+                )
                 row.round_slots, slot = [slot], slot + 1
                 done[name].append(row)
         level = [pool_rounds(done[name]) for name, *_ in configs]
@@ -120,12 +220,16 @@ def run(target, draft, prompts: list[str], widths, verifiers, concurrencies, max
 
 
 def table(rows: list[ConcurrencyRow]) -> str:
-    out = [f"{'config':<22}{'conc':>5}{'tok/s':>9}{'AL':>6}{'speedup':>9}{'draft ms':>10}{'verify ms':>10}"
-           f"{'other ms':>9}{'rounds':>7}{'tok/s range':>16}"]
+    out = [
+        f"{'config':<31}{'conc':>5}{'tok/s':>9}{'AL':>6}{'speedup':>9}{'width':>7}{'draft ms':>10}{'verify ms':>10}"
+        f"{'other ms':>9}{'rounds':>7}{'tok/s range':>16}"
+    ]
     for r in rows:
-        out.append(f"{r.config:<22}{r.concurrency:>5}{r.tokens_per_s:>9.1f}{r.accept_length:>6.2f}{r.speedup:>8.2f}x"
-                   f"{r.draft_ms_per_step:>10.1f}{r.verify_ms_per_step:>10.1f}{r.overhead_ms_per_step:>9.1f}"
-                   f"{r.rounds:>7}{f'{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}':>16}")
+        out.append(
+            f"{r.config:<31}{r.concurrency:>5}{r.tokens_per_s:>9.1f}{r.accept_length:>6.2f}{r.speedup:>8.2f}x"
+            f"{r.mean_width:>7.2f}{r.draft_ms_per_step:>10.1f}{r.verify_ms_per_step:>10.1f}{r.overhead_ms_per_step:>9.1f}"
+            f"{r.rounds:>7}{f'{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}':>16}"
+        )
     return "\n".join(out)
 
 
@@ -134,12 +238,19 @@ def save(rows, json_path=None, png_path=None) -> None:
         Path(json_path).write_text(json.dumps([asdict(r) for r in rows], indent=2))
     if png_path:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         fig, ax = plt.subplots(figsize=(6, 4))
         for name in dict.fromkeys(r.config for r in rows if r.config != "target"):
             pts = [(r.concurrency, r.speedup) for r in rows if r.config == name]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xscale("log", base=2); ax.set_xlabel("concurrency"); ax.set_ylabel("speedup over the target alone")
-        ax.legend(); fig.tight_layout(); fig.savefig(png_path, dpi=120); plt.close(fig)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("speedup over the target alone")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(png_path, dpi=120)
+        plt.close(fig)

@@ -1,4 +1,5 @@
 """The model card's acceptance metrics over a suite of requests (spec section 5)."""
+
 from __future__ import annotations
 
 
@@ -10,9 +11,12 @@ def aggregate(C: list[int], V: list[int]) -> dict:
         return {"samples": 0, "acc_len": 0.0, "weighted_al": 0.0, "pooled_al": 0.0}
     L = [c / v for c, v in pairs]
     sc = sum(c for c, _ in pairs)
-    return {"samples": len(pairs), "acc_len": sum(L) / len(L),
-            "weighted_al": sum(c * l for (c, _), l in zip(pairs, L)) / sc,
-            "pooled_al": sc / sum(v for _, v in pairs)}
+    return {
+        "samples": len(pairs),
+        "acc_len": sum(L) / len(L),
+        "weighted_al": sum(c * l for (c, _), l in zip(pairs, L)) / sc,
+        "pooled_al": sc / sum(v for _, v in pairs),
+    }
 
 
 def per_position(hist: list[int]) -> list[float]:

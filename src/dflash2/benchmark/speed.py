@@ -1,5 +1,6 @@
 """In-process side-by-side speed: the target alone and speculative decoding on the same
 prompts, hardware and run (batch 1). Reports tokens/s, acceptance length and speedup."""
+
 from __future__ import annotations
 
 import json
@@ -43,17 +44,39 @@ class _Tally:
         self.hist = [0] * max(width, 1)
 
     def add(self, r) -> None:
-        self.C += r.completion_tokens; self.V += r.verify_steps; self.secs += r.total_s; self.prompts += 1
+        self.C += r.completion_tokens
+        self.V += r.verify_steps
+        self.secs += r.total_s
+        self.prompts += 1
         for k, c in enumerate(r.accept_hist):
             self.hist[k] += c
 
     def row(self) -> SpeedRow:
-        return SpeedRow(self.name, self.width, self.verify, self.temperature, self.prompts, self.C, self.V,
-                        self.secs, self.C / self.secs, self.C / max(self.V, 1), accept_hist=self.hist)
+        return SpeedRow(
+            self.name,
+            self.width,
+            self.verify,
+            self.temperature,
+            self.prompts,
+            self.C,
+            self.V,
+            self.secs,
+            self.C / self.secs,
+            self.C / max(self.V, 1),
+            accept_hist=self.hist,
+        )
 
 
-def side_by_side(target, draft, prompts: list[str], widths=(5, 8), temperatures=(0.0, 1.0),
-                 max_new_tokens: int = 256, verifies=("token",), disable_cuda_graph: bool = False) -> list[SpeedRow]:
+def side_by_side(
+    target,
+    draft,
+    prompts: list[str],
+    widths=(5, 8),
+    temperatures=(0.0, 1.0),
+    max_new_tokens: int = 256,
+    verifies=("token",),
+    disable_cuda_graph: bool = False,
+) -> list[SpeedRow]:
     """The target alone and every (width, verifier), batch 1: each through an engine with one slot
     (static buffers, CUDA graphs on CUDA, the target alone included, so both sides get the same
     treatment). Paired: each prompt runs every config back to back, in an order rotated per prompt,
@@ -75,9 +98,21 @@ def side_by_side(target, draft, prompts: list[str], widths=(5, 8), temperatures=
         def generate(d, w, vm, ids, sp):
             key = (w if d is not None else 1, vm == "block")
             if key not in engines:
-                engines[key] = LLMEngine(target, d, EngineConfig.for_models(
-                    target, d, w, context_length=longest + 1, max_running_requests=1, block_verification=vm == "block",
-                    disable_cuda_graph=disable_cuda_graph, chunked_prefill_size=-1))
+                engines[key] = LLMEngine(
+                    target,
+                    d,
+                    EngineConfig.for_models(
+                        target,
+                        d,
+                        w,
+                        context_length=longest + 1,
+                        max_running_requests=1,
+                        block_verification=vm == "block",
+                        disable_cuda_graph=disable_cuda_graph,
+                        speculative_planner="off",  # each row is its width
+                        chunked_prefill_size=-1,
+                    ),
+                )
             return engines[key].generate([ids], sp)[0]
 
         for name, d, w, vm in configs:  # untimed: lazy init and first-shape costs stay out of every row
@@ -96,7 +131,9 @@ def side_by_side(target, draft, prompts: list[str], widths=(5, 8), temperatures=
 def format_table(rows: list[SpeedRow]) -> str:
     lines = [f"{'config':<30}{'tok/s':>9}{'AL':>7}{'speedup':>9}{'C':>7}{'V':>6}"]
     for r in rows:
-        lines.append(f"{r.name:<30}{r.tokens_per_s:>9.1f}{r.accept_length:>7.2f}{r.speedup:>8.2f}x{r.completion_tokens:>7}{r.verify_steps:>6}")
+        lines.append(
+            f"{r.name:<30}{r.tokens_per_s:>9.1f}{r.accept_length:>7.2f}{r.speedup:>8.2f}x{r.completion_tokens:>7}{r.verify_steps:>6}"
+        )
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
 """Evaluation suites of the model card: GSM8K, AIME (repeated with seeds), GPQA Diamond."""
+
 from __future__ import annotations
 
 import csv
@@ -13,7 +14,8 @@ from ..training.data import GSM8K_SUFFIX, gsm8k_prompts
 GPQA_TEMPLATE = (
     "Answer the following multiple choice question. The last line of your response should be of the following "
     "format: 'Answer: $LETTER' (without quotes) where LETTER is one of ABCD. Think step by step before answering."
-    "\n\n{question}\n\nA) {A}\nB) {B}\nC) {C}\nD) {D}")
+    "\n\n{question}\n\nA) {A}\nB) {B}\nC) {C}\nD) {D}"
+)
 
 
 @dataclass
@@ -40,10 +42,17 @@ def gsm8k(path=None, limit=None) -> list[Item]:
 
 
 def aime(path=None, limit=None, repeats: int = 8) -> list[Item]:
-    paths = [Path(path)] if path else [package_data("AIME2025/aime2025-I.jsonl"), package_data("AIME2025/aime2025-II.jsonl")]
+    paths = (
+        [Path(path)]
+        if path
+        else [package_data("AIME2025/aime2025-I.jsonl"), package_data("AIME2025/aime2025-II.jsonl")]
+    )
     rows = [r for p in paths for r in _jsonl(p)][:limit]
-    return [Item("aime", f"{r.get('problem', r.get('question'))}\n{GSM8K_SUFFIX}", 1000 * k + i, str(r.get("answer")))
-            for i, r in enumerate(rows) for k in range(repeats)]
+    return [
+        Item("aime", f"{r.get('problem', r.get('question'))}\n{GSM8K_SUFFIX}", 1000 * k + i, str(r.get("answer")))
+        for i, r in enumerate(rows)
+        for k in range(repeats)
+    ]
 
 
 def gpqa_shuffle(question: str, correct: str, incorrect: list[str], seed: int, index: int) -> tuple[str, str]:
@@ -61,7 +70,12 @@ def gpqa(path=None, limit=None, seed: int = 0) -> list[Item]:
         rows = list(csv.DictReader(f))[:limit]
     items = []
     for i, r in enumerate(rows):
-        prompt, letter = gpqa_shuffle(r["Question"], r["Correct Answer"],
-                                      [r["Incorrect Answer 1"], r["Incorrect Answer 2"], r["Incorrect Answer 3"]], seed, i)
+        prompt, letter = gpqa_shuffle(
+            r["Question"],
+            r["Correct Answer"],
+            [r["Incorrect Answer 1"], r["Incorrect Answer 2"], r["Incorrect Answer 3"]],
+            seed,
+            i,
+        )
         items.append(Item("gpqa", prompt, i, letter))
     return items

@@ -1,4 +1,5 @@
 """Paged KV memory: fixed-size blocks, per-request block tables, a free list."""
+
 from __future__ import annotations
 
 from .request import Request
@@ -54,8 +55,10 @@ class SlotManager:
 
     def grow(self, req: Request, num_tokens: int) -> None:
         if not self.can_grow(req, num_tokens):
-            raise MemoryError(f"no slot for {num_tokens} positions ({self.num_free} of {self.num_blocks} free, "
-                              f"{self.block_size} positions each)")
+            raise MemoryError(
+                f"no slot for {num_tokens} positions ({self.num_free} of {self.num_blocks} free, "
+                f"{self.block_size} positions each)"
+            )
         if not req.block_table:
             req.block_table, self.used = [0], self.used + 1  # the slot itself is the runner's (req.slot)
 

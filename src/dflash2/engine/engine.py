@@ -7,6 +7,7 @@ forward and the verifier (each request keeps what it accepted; nothing crosses r
 engine appends the tokens and applies the stop rules. The same engine runs the target alone
 (width 1). A step that raises fails its requests, never the loop.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,6 +24,7 @@ from ..sampling import SamplingParams
 from .block_manager import BlockManager, SlotManager
 from .graph_runner import GraphModelRunner, cuda_graphs_apply, static_bytes, static_supported
 from .model_runner import ModelRunner
+from .planner import Planner, PlannerConfig, cached_profile, parse_schedule
 from .request import Request, prefill_ids
 from .scheduler import Scheduler
 from .steps import BatchSampling, GenerationResult, Runner, eos_ids, first_token, make_generator, stop_reason
@@ -42,24 +44,30 @@ class RequestError(ValueError):
 class EngineConfig:
     max_running_requests: int = 16
     speculative: bool = True
-    num_draft_tokens: int = 5            # verification width, counting the current token
+    num_draft_tokens: int = 5  # verification width, counting the current token
     block_verification: bool = False
     context_length: int = 2048
-    max_total_tokens: int = 65536        # KV pool size in tokens (CPU budget; on GPU set from mem fraction)
+    max_total_tokens: int = 65536  # KV pool size in tokens (CPU budget; on GPU set from mem fraction)
     page_size: int = 16
-    runner: str = "auto"                 # auto: static buffers + CUDA graphs where they apply, else paged
-    disable_cuda_graph: bool = False     # SGLang's flag: the paged runner on CUDA too (static: eager)
+    runner: str = "auto"  # auto: static buffers + CUDA graphs where they apply, else paged
+    disable_cuda_graph: bool = False  # SGLang's flag: the paged runner on CUDA too (static: eager)
     chunked_prefill_size: int | None = None  # SGLang's flag: prompt tokens per step (-1: whole prompts;
     #                                      None: 256 on the CPU, 2048 on CUDA; docs/benchmarks.md, chunked prefill)
-    stall_s: float = 120.0               # /health fails when the loop has work but has not come round for this long
+    stall_s: float = 120.0  # /health fails when the loop has work but has not come round for this long
+    speculative_planner: str = "auto"  # auto: each step's width by expected tokens/s (1 or the full width); off
+    speculative_width_schedule: str | None = None  # "BATCH:WIDTH,...": pinned widths by decode batch size
 
     @classmethod
     def for_models(cls, target, draft, width: int, context_length: int | None = None, **fields) -> "EngineConfig":
         """The one place an engine's config is derived from loaded models: speculative when there is a
         drafter, at its width; the context defaults to the target's ``max_position_embeddings``."""
         ctx = context_length or int(getattr(target.config, "max_position_embeddings", 2048))
-        return cls(speculative=draft is not None, num_draft_tokens=width if draft is not None else 2,
-                   context_length=ctx, **fields)
+        return cls(
+            speculative=draft is not None,
+            num_draft_tokens=width if draft is not None else 2,
+            context_length=ctx,
+            **fields,
+        )
 
     def __post_init__(self):
         if self.max_running_requests < 1:
@@ -74,21 +82,25 @@ class EngineConfig:
             raise ValueError(f"KV budget {self.max_total_tokens} tokens is smaller than one page")
         if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
             raise ValueError(f"--chunked-prefill-size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
+        PlannerConfig(mode=self.speculative_planner)  # checks the name
+        parse_schedule(self.speculative_width_schedule, self.num_draft_tokens)
 
 
 @dataclass
 class EngineStats:
-    completed: int = 0                   # finished normally (stop or length)
-    aborted: int = 0                     # cancelled (client gone, shutdown)
-    failed: int = 0                      # ended by an error
+    completed: int = 0  # finished normally (stop or length)
+    aborted: int = 0  # cancelled (client gone, shutdown)
+    failed: int = 0  # ended by an error
     generated_tokens: int = 0
-    verify_steps: int = 0                # per request per step, summed
+    verify_steps: int = 0  # per request per step, summed
     accepted_by_position: list[int] = field(default_factory=list)
     preemptions: int = 0
-    steps: int = 0                       # batched steps
-    draft_s: float = 0.0                 # time in draft forward + selector
-    verify_s: float = 0.0                # time in the target verify forward
-    step_s: float = 0.0                  # whole batched steps (prefills excluded)
+    steps: int = 0  # batched steps
+    draft_s: float = 0.0  # time in draft forward + selector
+    verify_s: float = 0.0  # time in the target verify forward
+    step_s: float = 0.0  # whole batched steps (prefills excluded)
+    steps_by_width: dict[int, int] = field(default_factory=dict)  # the planner's choices
+    drafts_proposed: int = 0  # draft tokens put to the verifier (width - 1 per request per step)
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -99,13 +111,21 @@ class LLMEngine:
         self.cfg = cfg
         self.target, self.draft = target, (draft if cfg.speculative else None)
         self.width = cfg.num_draft_tokens if self.draft is not None else 1
+        self.planner = Planner(
+            self.width,
+            PlannerConfig(
+                mode=cfg.speculative_planner, schedule=parse_schedule(cfg.speculative_width_schedule, self.width)
+            ),
+        )
         self.runner: Runner = self._make_runner()
+        if self.planner.adapts and self.runner.use_graph:  # step costs of every bucket, before any request
+            self.planner.costs.update(cached_profile(self.runner, target, self.draft))
         self.scheduler = Scheduler(self.runner.kv, cfg.max_running_requests, self.width)
         self.stats = EngineStats(accepted_by_position=[0] * max(self.width - 1, 0))
         self.eos = eos_ids(target)
         self.vocab_size = min(target.embed.num_embeddings, target.lm_head_weight.shape[0])
-        self.prefilling: deque[Request] = deque()   # admitted, prompt not all in the runner yet (FIFO)
-        self.heartbeat = time.monotonic()          # the loop's last pass (for /health)
+        self.prefilling: deque[Request] = deque()  # admitted, prompt not all in the runner yet (FIFO)
+        self.heartbeat = time.monotonic()  # the loop's last pass (for /health)
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self._aborts: set[str] = set()
@@ -120,19 +140,30 @@ class LLMEngine:
         cfg, target = self.cfg, self.target
         max_len = cfg.context_length + self.width + 1  # the last verify block may run past the context
         one_slot = cfg.max_running_requests == 1 and target.device.type == "cpu" and static_supported(target)
-        static = cfg.runner == "static" or (cfg.runner == "auto" and (
-            one_slot or cuda_graphs_apply(target, cfg.disable_cuda_graph)))
+        static = cfg.runner == "static" or (
+            cfg.runner == "auto" and (one_slot or cuda_graphs_apply(target, cfg.disable_cuda_graph))
+        )
         if static and cfg.runner == "auto" and target.device.type == "cuda":
             need = static_bytes(target, self.draft, cfg.max_running_requests, max_len)
             free = torch.cuda.mem_get_info()[0]
             if need > free // 2:
-                warnings.warn(f"CUDA graphs off: {cfg.max_running_requests} slots of {max_len} positions need "
-                              f"{need / 2**30:.1f} GiB ({free / 2**30:.1f} free); lower --context-length or "
-                              f"--max-running-requests")
+                warnings.warn(
+                    f"CUDA graphs off: {cfg.max_running_requests} slots of {max_len} positions need "
+                    f"{need / 2**30:.1f} GiB ({free / 2**30:.1f} free); lower --context-length or "
+                    f"--max-running-requests"
+                )
                 static = False
         if static:
-            return GraphModelRunner(target, self.draft, self.width, cfg.max_running_requests, max_len,
-                                    cuda_graph=not cfg.disable_cuda_graph, block_verification=cfg.block_verification)
+            return GraphModelRunner(
+                target,
+                self.draft,
+                self.width,
+                cfg.max_running_requests,
+                max_len,
+                cuda_graph=not cfg.disable_cuda_graph,
+                block_verification=cfg.block_verification,
+                verify_widths=(1,) if self.planner.can_pick(1) else (),
+            )
         pool = BlockManager(cfg.max_total_tokens // cfg.page_size, cfg.page_size)
         return ModelRunner(target, self.draft, pool, self.width, cfg.block_verification)
 
@@ -147,13 +178,18 @@ class LLMEngine:
             if bad is not None:
                 raise RequestError(f"{name}: token id {bad!r} is outside the vocabulary [0, {V})", name)
         if n + 1 > ctx:
-            raise RequestError(f"prompt has {n} tokens; the context length is {ctx}", "prompt",
-                               "context_length_exceeded")
+            raise RequestError(
+                f"prompt has {n} tokens; the context length is {ctx}", "prompt", "context_length_exceeded"
+            )
         need, kv = min(n + req.sampling.max_new_tokens, ctx) + self.width + 1, self.runner.kv
         if kv.blocks_for(need) > kv.num_blocks:
             held = kv.block_size if isinstance(kv, SlotManager) else kv.num_blocks * kv.block_size
-            raise RequestError(f"prompt ({n} tokens) + max_tokens ({req.sampling.max_new_tokens}) need {need} KV "
-                               f"positions; the KV pool holds {held}", "max_tokens", "context_length_exceeded")
+            raise RequestError(
+                f"prompt ({n} tokens) + max_tokens ({req.sampling.max_new_tokens}) need {need} KV "
+                f"positions; the KV pool holds {held}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         req.generator = make_generator(req.sampling.seed)
         req.accept_hist = [0] * self.width
         with self.lock:
@@ -215,7 +251,9 @@ class LLMEngine:
         while self.has_work():
             self.step()
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
+    ) -> list[GenerationResult]:
         """Offline generation (vLLM's ``LLM.generate``; the engine thread must not be running): every
         prompt through the engine, results in order, timed from when each was added. Batch 1 is one
         prompt at a time through an engine with one slot."""
@@ -266,9 +304,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         # all greedy (the usual batch): argmax acceptance needs no distributions, uniforms or parameters
         greedy = all(r.sampling.greedy for r in reqs)
-        sampling = None if greedy else BatchSampling.draw(reqs, self.width - 1, self.target.device)
+        rids, bucket = [r.request_id for r in reqs], self.runner.bucket(len(reqs))
+        width = self.planner.choose(rids, bucket)
+        sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device)
         try:
-            out = self.runner.step(reqs, sampling)
+            out = self.runner.step(reqs, sampling, width)
         except Exception as e:  # a failing batch fails its requests, not the server
             log.exception("speculative step failed")
             with self.lock:
@@ -281,14 +321,18 @@ class LLMEngine:
             r.draft_s += out.draft_s
             r.verify_s += out.verify_s
             r.accept_hist[n] += 1
+            r.width_sum += width
             s.verify_steps += 1
             for i in range(n):
                 s.accepted_by_position[i] += 1
             self._append(r, tokens)
         s.steps += 1
+        s.steps_by_width[width] = s.steps_by_width.get(width, 0) + 1
+        s.drafts_proposed += (width - 1) * len(reqs)
         s.draft_s += out.draft_s
         s.verify_s += out.verify_s
         s.step_s += time.perf_counter() - t0
+        self.planner.observe(rids, out.num_accepted, width, bucket, time.perf_counter() - t0)
 
     def _prefill_some(self) -> None:
         """Up to ``chunked_prefill_size`` prompt tokens, oldest admitted first; a request whose prompt
@@ -350,6 +394,7 @@ class LLMEngine:
         if req in self.prefilling:
             self.prefilling.remove(req)
         req.finish_reason, req.error, req.finished_at = reason, error, time.perf_counter()
+        self.planner.forget(req.request_id)
         s = self.stats
         if reason == "abort":
             s.aborted += 1

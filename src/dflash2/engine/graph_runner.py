@@ -14,6 +14,7 @@ walk; target verify + latents + verifier) whose math is :mod:`.steps`, shared wi
 buffers. Graphs are keyed by batch bucket, attention prefix (``KV_BUCKETS``), greedy or
 sampled, draft or verify. Same methods as :class:`ModelRunner` (the :class:`.steps.Runner` protocol).
 """
+
 from __future__ import annotations
 
 import gc
@@ -96,10 +97,24 @@ def static_bytes(target: TargetModel, draft, slots: int, max_len: int) -> int:
 
 
 class GraphModelRunner:
-    def __init__(self, target: TargetModel, draft, width: int, num_slots: int, max_len: int,
-                 cuda_graph: bool = True, block_verification: bool = False, attention: str = ATTENTION,
-                 kv_buckets: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        target: TargetModel,
+        draft,
+        width: int,
+        num_slots: int,
+        max_len: int,
+        cuda_graph: bool = True,
+        block_verification: bool = False,
+        attention: str = ATTENTION,
+        kv_buckets: tuple[int, ...] | None = None,
+        verify_widths: tuple[int, ...] = (),
+    ):
         self.target, self.draft, self.w, self.max_len = target, draft, width, max_len
+        # the widths a step may verify (the planner's choices): the full one, and 1 = the target alone
+        self.verify_widths = tuple(sorted(set(verify_widths) | {width}))
+        if any(w not in (1, width) for w in self.verify_widths):
+            raise ValueError(f"verify widths must be 1 or {width}, got {verify_widths}")
         self.block = block_verification
         self.static = StaticTarget(target, max_len, slots=num_slots, attention=attention)
         self.static.check()  # refuse a layout the hand-written forward does not reproduce
@@ -110,29 +125,35 @@ class GraphModelRunner:
         kv_buckets = kv_buckets or (KV_BUCKETS if self.use_graph else KV_BUCKETS_EAGER)
         self.kv_buckets = sorted({b for b in kv_buckets if b < max_len} | {max_len})
         lng = dict(dtype=torch.long, device=dev)
-        self.ids = torch.zeros(num_slots, width, **lng)    # per slot: [anchor, drafts...]
-        self.start = torch.zeros(num_slots, **lng)         # per slot: the anchor's position
+        self.ids = torch.zeros(num_slots, width, **lng)  # per slot: [anchor, drafts...]
+        self.start = torch.zeros(num_slots, **lng)  # per slot: the anchor's position
         self.ar = torch.arange(width, **lng)
-        self.occupant: list[Request] = []                  # occupant[s] holds slot s
-        self.stale: set[int] = set()                       # slots whose anchor / position the host must write
+        self.occupant: list[Request] = []  # occupant[s] holds slot s
+        self.stale: set[int] = set()  # slots whose anchor / position the host must write
         # per slot, for sampled batches: parameters, uniforms, and q_draft from the draft graph
         # (idle slots keep a previous occupant's values: valid inputs whose results nobody reads)
         f32 = dict(dtype=torch.float32, device=dev)
         g, V = width - 1, target.lm_head_weight.shape[0]
-        self.sampling = BatchSampling(torch.ones(num_slots, **f32), torch.full((num_slots,), -1, **lng),
-                                      torch.ones(num_slots, **f32), torch.zeros(num_slots, **f32),
-                                      torch.full((num_slots, g), 0.5, **f32), torch.full((num_slots, g), 0.5, **f32),
-                                      torch.full((num_slots,), 0.5, **f32))
+        self.sampling = BatchSampling(
+            torch.ones(num_slots, **f32),
+            torch.full((num_slots,), -1, **lng),
+            torch.ones(num_slots, **f32),
+            torch.zeros(num_slots, **f32),
+            torch.full((num_slots, g), 0.5, **f32),
+            torch.full((num_slots, g), 0.5, **f32),
+            torch.full((num_slots,), 0.5, **f32),
+        )
         self.q_draft = torch.zeros(num_slots, g, V, **f32)
         if draft is not None:
             d = draft.config
             p = next(draft.parameters())
-            self.lat = torch.zeros(d.num_hidden_layers, num_slots, max_len, d.kv_lora_rank + d.qk_rope_head_dim,
-                                   dtype=p.dtype, device=dev)
+            self.lat = torch.zeros(
+                d.num_hidden_layers, num_slots, max_len, d.kv_lora_rank + d.qk_rope_head_dim, dtype=p.dtype, device=dev
+            )
             self.ctx_pos = torch.arange(max_len, **lng)[None]
             self.ctx_valid = torch.ones(1, max_len, dtype=torch.bool, device=dev)  # k < anchor decides
         self.pool = torch.cuda.graph_pool_handle() if self.use_graph else None
-        self.graphs: dict[tuple[str, int, bool, int], tuple[Replay, dict]] = {}  # (kind, B, greedy, kv_len)
+        self.graphs: dict[tuple[str, int, bool, int, int], tuple[Replay, dict]] = {}  # kind, B, greedy, kv_len, w
         # Capture every bucket now, largest first so smaller ones reuse its memory (a capture inside a
         # step would cost that step ~0.1 s); the idle slots the warm-up calls write into are
         # overwritten by each request's prefill.
@@ -145,12 +166,15 @@ class GraphModelRunner:
             try:
                 for kv_len in reversed(self.kv_buckets):
                     for B in reversed(self.buckets):
-                        self._graph("verify", B, greedy, kv_len)
+                        for w in self.verify_widths:
+                            self._graph("verify", B, greedy, kv_len, w)
                         if draft is not None:
                             self._graph("draft", B, greedy, kv_len)
             except RuntimeError as e:
-                warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); "
-                              f"{'greedy' if greedy else 'sampled'} steps run eagerly")
+                warnings.warn(
+                    f"CUDA graph capture failed ({type(e).__name__}: {e}); "
+                    f"{'greedy' if greedy else 'sampled'} steps run eagerly"
+                )
                 self.graphed[greedy] = False
                 self.graphs = {k: v for k, v in self.graphs.items() if k[2] != greedy}
 
@@ -160,11 +184,41 @@ class GraphModelRunner:
         else a device index), the batch bucket that covers every occupied slot, and the buffer
         prefix that holds every occupant's next block."""
         slots = [r.slot for r in reqs]
-        idx: torch.Tensor | slice = slice(0, len(reqs)) if slots == list(range(len(reqs))) else \
-            torch.tensor(slots, device=self.target.device)
+        idx: torch.Tensor | slice = (
+            slice(0, len(reqs)) if slots == list(range(len(reqs))) else torch.tensor(slots, device=self.target.device)
+        )
         n = len(self.occupant)
         end = max(r.num_committed for r in self.occupant) + self.w
         return idx, next(b for b in self.buckets if b >= n), next(k for k in self.kv_buckets if k >= end)
+
+    def bucket(self, n: int) -> int:
+        """The batch bucket a step of ``n`` requests replays (every occupied slot runs)."""
+        m = max(n, len(self.occupant))
+        return next(b for b in self.buckets if b >= m)
+
+    @torch.no_grad()
+    def profile(self, repeats: int = 5) -> dict[tuple[int, int], float]:
+        """Seconds per greedy step by (bucket, verify width), replayed over the shortest attention
+        prefix, synchronised (before any request: the rows written are idle slots')."""
+        sync = torch.cuda.synchronize if self.use_graph else (lambda: None)
+        out: dict[tuple[int, int], float] = {}
+        kv_len = self.kv_buckets[0]
+        for B in self.buckets:
+            for w in self.verify_widths:
+                fns = ([self._graph("draft", B, True, kv_len)[0]] if w > 1 and self.draft is not None else []) + [
+                    self._graph("verify", B, True, kv_len, w)[0]
+                ]
+                for fn in fns:  # once untimed
+                    fn()
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    for fn in fns:
+                        fn()
+                sync()
+                out[(B, w)] = (time.perf_counter() - t0) / repeats
+        self.start.zero_()
+        return out
 
     def release(self, req: Request) -> None:
         req.draft_cache = req.target_state = None
@@ -186,30 +240,41 @@ class GraphModelRunner:
         self.occupant.pop()
 
     # ---- the captured functions ---------------------------------------------------------------
-    def _graph(self, kind: str, B: int, greedy: bool, kv_len: int) -> tuple[Replay, dict]:
-        """The buckets' graph (captured at start-up on CUDA; eager functions otherwise)."""
-        key = (kind, B, greedy, kv_len)
+    def _graph(self, kind: str, B: int, greedy: bool, kv_len: int, width: int = 0) -> tuple[Replay, dict]:
+        """The buckets' graph (captured at start-up on CUDA; eager functions otherwise). ``width``:
+        the verify width (the draft always builds the full block)."""
+        key = (kind, B, greedy, kv_len, width or self.w)
         if key not in self.graphs:
             out: dict = {}
-            fn = self._verify_fn if kind == "verify" else self._draft_fn
+            if kind == "verify":
+                fn = lambda: self._verify_fn(B, greedy, kv_len, out, key[4])  # noqa: E731
+            else:
+                fn = lambda: self._draft_fn(B, greedy, kv_len, out)  # noqa: E731
             with torch.no_grad():
-                self.graphs[key] = (Replay(lambda: fn(B, greedy, kv_len, out), self.graphed[greedy], self.pool), out)
+                self.graphs[key] = (Replay(fn, self.graphed[greedy], self.pool), out)
         return self.graphs[key]
 
-    def _rows(self, B: int, greedy: bool) -> BatchSampling | None:
-        """The first ``B`` slots' sampling buffers (None: a greedy batch)."""
+    def _rows(self, B: int, greedy: bool, g: int | None = None) -> BatchSampling | None:
+        """The first ``B`` slots' sampling buffers, their first ``g`` draws (None: a greedy batch)."""
         if greedy:
             return None
-        return BatchSampling(*(getattr(self.sampling, f)[:B] for f in BatchSampling.__dataclass_fields__))
+        cols = [getattr(self.sampling, f)[:B] for f in BatchSampling.__dataclass_fields__]
+        return BatchSampling(*(c[:, :g] if c.dim() == 2 and g is not None else c for c in cols))
 
-    def _verify_fn(self, B: int, greedy: bool, kv_len: int, out: dict) -> None:
-        logits, feats = self.static.forward(self.ids[:B], self.start[:B], kv_len=kv_len)
+    def _verify_fn(self, B: int, greedy: bool, kv_len: int, out: dict, w: int) -> None:
+        logits, feats = self.static.forward(self.ids[:B, :w], self.start[:B], kv_len=kv_len)
         if self.draft is not None:  # every row's latent at its position (rows past the accepted ones stay masked)
-            pos = self.start[:B, None] + self.ar
+            pos = self.start[:B, None] + self.ar[:w]
             rows = torch.arange(B, device=pos.device)[:, None].expand_as(pos)
             self.lat[:, rows, pos] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
-        res = steps.accept(logits, self.ids[:B, 1:], self.q_draft[:B], self._rows(B, greedy), self.block,
-                           capturable=True)
+        res = steps.accept(
+            logits,
+            self.ids[:B, 1:w],
+            self.q_draft[:B, : w - 1],
+            self._rows(B, greedy, w - 1),
+            self.block,
+            capturable=True,
+        )
         out["rows"] = steps.result_rows(res)
         # the next step's anchor and position, in place (the host writes them only for stale slots); an
         # idle row's position stops where its block still fits the buffer
@@ -221,14 +286,21 @@ class GraphModelRunner:
         d, w = self.draft, self.w
         apos = self.start[:B]
         q_pos = apos[:, None] + self.ar
-        mask = build_block_mask(q_pos, apos[:, None].expand(B, w), torch.zeros_like(q_pos),
-                                self.ctx_pos[:, :kv_len].expand(B, -1), self.ctx_valid[:, :kv_len].expand(B, -1),
-                                d.config.sliding_window, d.config.is_causal)
+        mask = build_block_mask(
+            q_pos,
+            apos[:, None].expand(B, w),
+            torch.zeros_like(q_pos),
+            self.ctx_pos[:, :kv_len].expand(B, -1),
+            self.ctx_valid[:, :kv_len].expand(B, -1),
+            d.config.sliding_window,
+            d.config.is_causal,
+        )
         block = self.ids[:B].clone()
         block[:, 1:] = d.config.mask_token_id
         hidden = d(self.target.embed(block), q_pos, self.lat[:, :B, :kv_len], mask, w)[:, 1:]
-        tokens, q = steps.propose(d, hidden, self.ids[:B, 0], self.target.lm_head_weight, self._rows(B, greedy),
-                                  capturable=True)
+        tokens, q = steps.propose(
+            d, hidden, self.ids[:B, 0], self.target.lm_head_weight, self._rows(B, greedy), capturable=True
+        )
         if q is not None:
             self.q_draft[:B].copy_(q)
         self.ids[:B, 1:].copy_(tokens)  # the verify graph reads them there
@@ -247,12 +319,13 @@ class GraphModelRunner:
         s = req.slot
         assert s is not None
         self.start[s] = len(ids)
-        chunk = ids[p: p + (max_tokens or len(ids))]
-        logits, feats = self.static.forward(torch.tensor(chunk, device=dev),
-                                            torch.full((), p, dtype=torch.long, device=dev), slot=s)
+        chunk = ids[p : p + (max_tokens or len(ids))]
+        logits, feats = self.static.forward(
+            torch.tensor(chunk, device=dev), torch.full((), p, dtype=torch.long, device=dev), slot=s
+        )
         if self.draft is not None:
             pos = torch.arange(p, p + len(chunk), device=dev)
-            self.lat[:, s, p:p + len(chunk)] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
+            self.lat[:, s, p : p + len(chunk)] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
         req.prefill_pos = req.num_committed = p + len(chunk)
         self.stale.add(s)
         return logits[-1] if req.prefill_pos == len(ids) else None
@@ -268,24 +341,30 @@ class GraphModelRunner:
             self.ids[at, 0] = torch.tensor([r.all_ids[-1] for r in stale], device=dev)
             self.start[at] = torch.tensor([r.num_committed for r in stale], device=dev)
             self.stale.difference_update(r.slot for r in stale)
-        if sampling is not None:
+        if sampling is not None:  # a width-1 step has no propose / accept draws: only the first g columns
             for f in BatchSampling.__dataclass_fields__:
-                getattr(self.sampling, f)[idx] = getattr(sampling, f).to(getattr(self.sampling, f).dtype)
+                buf, v = getattr(self.sampling, f), getattr(sampling, f)
+                if v.dim() == 2:
+                    buf[idx, : v.shape[1]] = v.to(buf.dtype)
+                else:
+                    buf[idx] = v.to(buf.dtype)
         return idx, B, kv_len
 
     @torch.no_grad()
-    def step(self, reqs: list[Request], sampling: BatchSampling | None) -> StepOutput:
+    def step(self, reqs: list[Request], sampling: BatchSampling | None, width: int | None = None) -> StepOutput:
         """Two replays: the draft block + selector walk writes the drafts beside the anchors in the
         slots' id buffer (and q_draft into its slot buffer); the verify graph runs the target over
         them, writes K/V and draft latents in place, runs the verifier and moves each slot's anchor
-        and position on. One read-back; a commit only counts."""
+        and position on. One read-back; a commit only counts. ``width`` 1: the target alone this
+        step (the verify graph over the anchors only, no draft replay)."""
         t0 = time.perf_counter()
+        w = width or self.w
         idx, B, kv_len = self._load(reqs, sampling)
         greedy = sampling is None
-        if self.w > 1:
+        if w > 1:
             self._graph("draft", B, greedy, kv_len)[0]()
         t1 = time.perf_counter()
-        replay, out = self._graph("verify", B, greedy, kv_len)
+        replay, out = self._graph("verify", B, greedy, kv_len, w)
         replay()
         res = steps.finish_step(out["rows"][idx], t0, t1)
         for r, tokens in zip(reqs, res.tokens):

@@ -8,6 +8,7 @@ attention / state space, sliding windows) run one request at a time through the 
 adapter, each with its own cache and recurrent-state snapshots. On CUDA, dense Llama-family
 targets use :class:`GraphModelRunner` instead (static buffers, CUDA graphs per batch size).
 """
+
 from __future__ import annotations
 
 import time
@@ -32,8 +33,9 @@ def layer_kv(layer) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class ModelRunner:
-    def __init__(self, target: TargetModel, draft, block_manager: BlockManager, width: int = 1,
-                 block_verification: bool = False):
+    def __init__(
+        self, target: TargetModel, draft, block_manager: BlockManager, width: int = 1, block_verification: bool = False
+    ):
         self.target, self.draft, self.bm = target, draft, block_manager
         self.kv = block_manager  # what the scheduler admits against: pages of the pool
         self.use_graph = False
@@ -49,8 +51,12 @@ class ModelRunner:
         bs = self.bm.block_size
         for layer in cache.layers:
             k, v = layer_kv(layer)  # [1, h, T, d]
-            self.k_pool.append(torch.zeros(self.bm.num_blocks, k.shape[1], bs, k.shape[3], dtype=k.dtype, device=k.device))
-            self.v_pool.append(torch.zeros(self.bm.num_blocks, v.shape[1], bs, v.shape[3], dtype=v.dtype, device=v.device))
+            self.k_pool.append(
+                torch.zeros(self.bm.num_blocks, k.shape[1], bs, k.shape[3], dtype=k.dtype, device=k.device)
+            )
+            self.v_pool.append(
+                torch.zeros(self.bm.num_blocks, v.shape[1], bs, v.shape[3], dtype=v.dtype, device=v.device)
+            )
 
     def _slots(self, req: Request, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(start, start + n)
@@ -65,7 +71,6 @@ class ModelRunner:
             self.k_pool[l][blk, :, off] = k.transpose(0, 1)
             self.v_pool[l][blk, :, off] = v.transpose(0, 1)
 
-
     # ---- prefill ------------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, req: Request, max_tokens: int | None = None) -> torch.Tensor | None:
@@ -77,7 +82,7 @@ class ModelRunner:
         if p == 0:
             req.target_state = t.new_state()
             req.draft_cache = DraftContextCache(self.draft) if self.draft is not None else None
-        chunk = ids[p: p + (max_tokens or len(ids))]
+        chunk = ids[p : p + (max_tokens or len(ids))]
         state = req.target_state
         logits, feats = t.forward(state, torch.tensor(chunk), logits_to_keep=1)
         t.commit(state, len(chunk))
@@ -95,12 +100,13 @@ class ModelRunner:
 
     # ---- the step -------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, reqs: list[Request], sampling: BatchSampling | None) -> StepOutput:
+    def step(self, reqs: list[Request], sampling: BatchSampling | None, width: int | None = None) -> StepOutput:
         """Draft ``w - 1`` tokens per request, verify ``[anchor, drafts]`` in one target forward, keep
-        what the verifier accepted (its K/V into the pool, its features into the draft context)."""
+        what the verifier accepted (its K/V into the pool, its features into the draft context).
+        ``width`` 1: the target alone this step (no draft forward)."""
         t0 = time.perf_counter()
         anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=self.target.device)
-        if self.w > 1:
+        if (width or self.w) > 1:
             drafts, q_draft = self.propose(reqs, anchors, sampling)
         else:
             drafts, q_draft = anchors[:, None][:, :0], None
@@ -167,9 +173,20 @@ class ModelRunner:
     def propose(self, reqs: list[Request], anchors: torch.Tensor, sampling: BatchSampling | None):
         """Draft tokens ``[B, w-1]`` and ``q_draft`` (None for a greedy batch)."""
         pos = torch.tensor([r.num_committed for r in reqs], device=anchors.device)
-        out = draft_block(self.draft, [r.draft_cache for r in reqs], anchors, pos, self.w,
-                          self.target.embed, self.target.lm_head_weight)
+        out = draft_block(
+            self.draft,
+            [r.draft_cache for r in reqs],
+            anchors,
+            pos,
+            self.w,
+            self.target.embed,
+            self.target.lm_head_weight,
+        )
         return steps.propose(self.draft, out.hidden, anchors, self.target.lm_head_weight, sampling)
+
+    def bucket(self, n: int) -> int:
+        """The batch size a step of ``n`` requests is costed under (powers of two: shapes vary freely)."""
+        return 1 << max(n - 1, 0).bit_length()
 
     def release(self, req: Request) -> None:
         req.draft_cache = None

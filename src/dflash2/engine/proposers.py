@@ -1,5 +1,6 @@
 """Proposers: what fills a block with draft tokens. The DFlash2 draft is the real one; the
 decode loop accepts any object with the same three methods (tests use an oracle)."""
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -12,9 +13,10 @@ from ..sampling import SamplingParams
 
 
 class Proposer(Protocol):
-    def begin(self, features: torch.Tensor) -> None: ...          # the prompt's features, from position 0
-    def propose(self, anchor: int, anchor_pos: int, num: int, sampling: SamplingParams,
-                uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # q_draft None: one-hot
+    def begin(self, features: torch.Tensor) -> None: ...  # the prompt's features, from position 0
+    def propose(
+        self, anchor: int, anchor_pos: int, num: int, sampling: SamplingParams, uniforms: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # q_draft None: one-hot
     def commit(self, features: torch.Tensor, start: int) -> None: ...  # accepted rows from ``start``
 
 
@@ -37,12 +39,26 @@ class DFlashProposer:
     @torch.no_grad()
     def propose(self, anchor, anchor_pos, num, sampling, uniforms):
         device = self.lm_head_weight.device
-        out = draft_block(self.draft, [self.cache], torch.tensor([anchor], device=device),
-                          torch.tensor([anchor_pos], device=device), num + 1, self.embed, self.lm_head_weight)
+        out = draft_block(
+            self.draft,
+            [self.cache],
+            torch.tensor([anchor], device=device),
+            torch.tensor([anchor_pos], device=device),
+            num + 1,
+            self.embed,
+            self.lm_head_weight,
+        )
         sel = self.draft.candidate_selector.walk(
-            out.candidates(), out.hidden, torch.tensor([anchor], device=device),
-            torch.tensor([sampling.temperature], device=device), uniforms[None].to(device),
-            sampling.top_k, sampling.top_p, sampling.min_p, all_greedy=sampling.greedy)
+            out.candidates(),
+            out.hidden,
+            torch.tensor([anchor], device=device),
+            torch.tensor([sampling.temperature], device=device),
+            uniforms[None].to(device),
+            sampling.top_k,
+            sampling.top_p,
+            sampling.min_p,
+            all_greedy=sampling.greedy,
+        )
         # at temperature 0 q is one-hot at each token (the decode loop rebuilds it if a non-greedy
         # verifier asks): skip building a [g, V] tensor each step
         return sel.tokens[0], None if sampling.greedy else sel.dense_q(self.vocab_size)[0]

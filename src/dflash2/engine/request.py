@@ -1,4 +1,5 @@
 """Typed requests for the serving engine."""
+
 from __future__ import annotations
 
 import enum
@@ -30,12 +31,12 @@ class Request:
     on_update: Callable[["Request", list[int]], Any] | None = None  # called from the engine thread
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    finish_reason: str | None = None        # "stop" | "length" | "abort" | "error"
-    matched_stop: int | str | None = None   # the stop token id or stop string that ended it (SGLang's matched_stop)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    matched_stop: int | str | None = None  # the stop token id or stop string that ended it (SGLang's matched_stop)
     error: str | None = None
     verify_steps: int = 0
     accept_hist: list[int] = field(default_factory=list)
-    num_committed: int = 0                  # tokens whose KV is in the pool (all but the pending anchor)
+    num_committed: int = 0  # tokens whose KV is in the pool (all but the pending anchor)
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     arrival: float = field(default_factory=time.perf_counter)
@@ -43,11 +44,12 @@ class Request:
     finished_at: float | None = None
     generator: torch.Generator | None = None
     draft_cache: Any = None
-    target_state: Any = None                # per-request target state (hybrid targets)
-    slot: int | None = None                 # its slot in the static-buffer runner, while it holds one
-    prefill_pos: int = 0                    # tokens of prefill_ids(self) in the runner so far (chunked prefill)
-    draft_s: float = 0.0                    # its steps' draft and verify time (a batched step counts in full)
+    target_state: Any = None  # per-request target state (hybrid targets)
+    slot: int | None = None  # its slot in the static-buffer runner, while it holds one
+    prefill_pos: int = 0  # tokens of prefill_ids(self) in the runner so far (chunked prefill)
+    draft_s: float = 0.0  # its steps' draft and verify time (a batched step counts in full)
     verify_s: float = 0.0
+    width_sum: int = 0  # verify widths of its steps, summed (the planner's choices)
 
     @property
     def all_ids(self) -> list[int]:
@@ -66,15 +68,27 @@ class Request:
         return sum(n * c for n, c in enumerate(self.accept_hist)) / (g * self.verify_steps)
 
     @property
+    def mean_width(self) -> float:
+        return self.width_sum / self.verify_steps if self.verify_steps else 0.0
+
+    @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
     def result(self) -> GenerationResult:
         """What :func:`.speculative.speculative_generate` returns for the same request."""
         done = self.finished_at or time.perf_counter()
-        return GenerationResult(list(self.output_ids), len(self.output_ids), self.verify_steps, list(self.accept_hist),
-                                self.finish_reason or "length", (self.first_token_at or done) - self.arrival,
-                                self.draft_s, self.verify_s, done - self.arrival)
+        return GenerationResult(
+            list(self.output_ids),
+            len(self.output_ids),
+            self.verify_steps,
+            list(self.accept_hist),
+            self.finish_reason or "length",
+            (self.first_token_at or done) - self.arrival,
+            self.draft_s,
+            self.verify_s,
+            done - self.arrival,
+        )
 
 
 def prefill_ids(req: Request) -> list[int]:

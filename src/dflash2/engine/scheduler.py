@@ -1,6 +1,7 @@
 """Continuous batching: admit waiting requests as others finish, preempt the newest when the
 KV pool runs out (recompute preemption: it is requeued and re-prefilled later). The KV is the
 runner's (:class:`.steps.KVManager`): pages of the paged runner's pool, or the static runner's slots."""
+
 from __future__ import annotations
 
 from collections import deque

@@ -6,6 +6,7 @@ prefill -> [draft block -> selector path -> one target verify forward -> accept 
 roll back] until EOS, a stop token or ``max_new_tokens``. With no proposer the same loop is
 the plain autoregressive baseline (one token per target forward).
 """
+
 from __future__ import annotations
 
 import time
@@ -14,8 +15,17 @@ import torch
 
 from ..sampling import SamplingParams
 from ..target import TargetModel
-from .steps import (BatchSampling, GenerationResult, accept, draw_uniforms, eos_ids, first_token,
-                    make_generator, resolve_verify_method, stop_reason)
+from .steps import (
+    BatchSampling,
+    GenerationResult,
+    accept,
+    draw_uniforms,
+    eos_ids,
+    first_token,
+    make_generator,
+    resolve_verify_method,
+    stop_reason,
+)
 
 
 def check_width(has_draft: bool, width: int) -> None:
@@ -24,8 +34,14 @@ def check_width(has_draft: bool, width: int) -> None:
 
 
 @torch.no_grad()
-def speculative_generate(target: TargetModel, proposer, prompt_ids: list[int] | torch.Tensor,
-                         sampling: SamplingParams, width: int = 5, verify_method: str | None = None) -> GenerationResult:
+def speculative_generate(
+    target: TargetModel,
+    proposer,
+    prompt_ids: list[int] | torch.Tensor,
+    sampling: SamplingParams,
+    width: int = 5,
+    verify_method: str | None = None,
+) -> GenerationResult:
     method = resolve_verify_method(sampling, verify_method)
     check_width(proposer is not None, width)
     gen, eos, dev = make_generator(sampling.seed), eos_ids(target), target.device
@@ -55,8 +71,13 @@ def speculative_generate(target: TargetModel, proposer, prompt_ids: list[int] | 
             q_draft = torch.nn.functional.one_hot(drafts, target.lm_head_weight.shape[0]).float()
         t2 = time.perf_counter()
         logits, feats = target.forward(state, torch.cat([torch.tensor([out[-1]], device=dev), drafts]))
-        result = accept(logits[None], drafts[None], None if q_draft is None else q_draft[None].to(dev), rows,
-                        block=method == "block")
+        result = accept(
+            logits[None],
+            drafts[None],
+            None if q_draft is None else q_draft[None].to(dev),
+            rows,
+            block=method == "block",
+        )
         n = int(result.num_accepted[0])
         target.commit(state, n + 1)
         if proposer is not None:

@@ -4,6 +4,7 @@ uniforms, the first token, the stop rule, the verifier choice, and the batched p
 math. The paged runner calls these eagerly, the static-slot runner inside its CUDA graphs
 (``capturable=True``: no host reads). Greedy batches need only argmaxes; sampled ones carry
 per-request parameters and uniforms as ``[B]`` / ``[B, n]`` tensors (:class:`BatchSampling`)."""
+
 from __future__ import annotations
 
 import time
@@ -69,10 +70,10 @@ def resolve_verify_method(sampling: SamplingParams, verify_method: str | None) -
 @dataclass
 class GenerationResult:
     token_ids: list[int]
-    completion_tokens: int                       # C (the first token, from prefill, included)
-    verify_steps: int                            # V (target forwards after prefill)
+    completion_tokens: int  # C (the first token, from prefill, included)
+    verify_steps: int  # V (target forwards after prefill)
     accept_hist: list[int] = field(default_factory=list)  # accept_hist[n] = steps that accepted n drafts
-    finish_reason: str = "length"                # "stop" (EOS / stop token) or "length"
+    finish_reason: str = "length"  # "stop" (EOS / stop token) or "length"
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -89,6 +90,7 @@ class GenerationResult:
     def per_position_acceptance(self) -> list[float]:
         """Fraction of steps whose draft position i (1-based) was accepted."""
         from ..benchmark.metrics import per_position
+
         return per_position(self.accept_hist)
 
 
@@ -96,20 +98,22 @@ class GenerationResult:
 @dataclass
 class BatchSampling:
     temperature: torch.Tensor  # [B] float (0: a greedy row in a sampled batch)
-    top_k: torch.Tensor        # [B] long (-1 or 0: off)
-    top_p: torch.Tensor        # [B] float
-    min_p: torch.Tensor        # [B] float
-    propose_u: torch.Tensor    # [B, g] the selector's draws
-    accept_u: torch.Tensor     # [B, g] the verifier's acceptance draws
-    emit_u: torch.Tensor       # [B] the draw of the emitted token
+    top_k: torch.Tensor  # [B] long (-1 or 0: off)
+    top_p: torch.Tensor  # [B] float
+    min_p: torch.Tensor  # [B] float
+    propose_u: torch.Tensor  # [B, g] the selector's draws
+    accept_u: torch.Tensor  # [B, g] the verifier's acceptance draws
+    emit_u: torch.Tensor  # [B] the draw of the emitted token
 
     @classmethod
     def of(cls, params: list[SamplingParams], uniforms: torch.Tensor, device) -> "BatchSampling":
         """Rows of ``params`` with their uniforms ``[B, 2g + 1]`` (in :func:`draw_uniforms`' order)."""
-        cols = [torch.tensor([getattr(sp, f) for sp in params], device=device)
-                for f in ("temperature", "top_k", "top_p", "min_p")]
+        cols = [
+            torch.tensor([getattr(sp, f) for sp in params], device=device)
+            for f in ("temperature", "top_k", "top_p", "min_p")
+        ]
         u, g = uniforms.to(device), (uniforms.shape[1] - 1) // 2
-        return cls(cols[0].float(), cols[1], cols[2].float(), cols[3].float(), u[:, :g], u[:, g:2 * g], u[:, 2 * g])
+        return cls(cols[0].float(), cols[1], cols[2].float(), cols[3].float(), u[:, :g], u[:, g : 2 * g], u[:, 2 * g])
 
     @classmethod
     def draw(cls, reqs, g: int, device) -> "BatchSampling":
@@ -123,9 +127,10 @@ class BatchSampling:
 @dataclass
 class StepOutput:
     """What one batched step gave each request: its accepted drafts, then the emitted token."""
+
     tokens: list[list[int]]
-    draft_s: float = 0.0       # draft forward + selector walk (0 without a draft)
-    verify_s: float = 0.0      # target verify + verifier + the read-back
+    draft_s: float = 0.0  # draft forward + selector walk (0 without a draft)
+    verify_s: float = 0.0  # target verify + verifier + the read-back
     num_accepted: list[int] = field(init=False)
 
     def __post_init__(self):
@@ -134,6 +139,7 @@ class StepOutput:
 
 class KVManager(Protocol):
     """A runner's KV memory as the scheduler sees it: pages of a pool, or whole slots."""
+
     num_blocks: int
     block_size: int
 
@@ -151,6 +157,7 @@ class KVManager(Protocol):
 
 class Runner(Protocol):
     """What the engine asks of a model runner (width and verifier are fixed when it is built)."""
+
     use_graph: bool  # whether its steps replay CUDA graphs
 
     @property
@@ -158,7 +165,9 @@ class Runner(Protocol):
 
     def prefill(self, req, max_tokens: int | None = None) -> torch.Tensor | None: ...
 
-    def step(self, reqs: list, sampling: BatchSampling | None) -> StepOutput: ...
+    def step(self, reqs: list, sampling: BatchSampling | None, width: int | None = None) -> StepOutput: ...
+
+    def bucket(self, n: int) -> int: ...  # the batch size a step of n requests is costed under
 
     def release(self, req) -> None: ...
 
@@ -167,7 +176,7 @@ def finish_step(rows: torch.Tensor, t0: float, t1: float) -> StepOutput:
     """One read-back of the batch's ``[B, g + 2]`` rows (the verifier's tokens, then the number
     accepted), split per request."""
     out = rows.tolist()
-    return StepOutput([row[:row[-1] + 1] for row in out], t1 - t0, time.perf_counter() - t1)
+    return StepOutput([row[: row[-1] + 1] for row in out], t1 - t0, time.perf_counter() - t1)
 
 
 def result_rows(res: VerifyResult) -> torch.Tensor:
@@ -175,20 +184,39 @@ def result_rows(res: VerifyResult) -> torch.Tensor:
     return torch.cat([res.tokens, res.num_accepted[:, None]], dim=1)
 
 
-def propose(draft, hidden: torch.Tensor, anchors: torch.Tensor, lm_head_weight: torch.Tensor,
-            sampling: BatchSampling | None, capturable: bool = False):
+def propose(
+    draft,
+    hidden: torch.Tensor,
+    anchors: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    sampling: BatchSampling | None,
+    capturable: bool = False,
+):
     """Draft tokens ``[B, g]`` from the block's hidden states, and ``q_draft [B, g, V]`` (None when
     the batch is greedy: argmax acceptance does not read it)."""
     if sampling is None:
         return greedy_walk(draft, hidden, anchors, lm_head_weight), None
-    sel = draft.candidate_selector.walk(draft.candidates(hidden, lm_head_weight), hidden, anchors,
-                                        sampling.temperature, sampling.propose_u, *sampling.params()[1:],
-                                        all_greedy=False, capturable=capturable)
+    sel = draft.candidate_selector.walk(
+        draft.candidates(hidden, lm_head_weight),
+        hidden,
+        anchors,
+        sampling.temperature,
+        sampling.propose_u,
+        *sampling.params()[1:],
+        all_greedy=False,
+        capturable=capturable,
+    )
     return sel.tokens, sel.dense_q(lm_head_weight.shape[0])
 
 
-def accept(logits: torch.Tensor, drafts: torch.Tensor, q_draft: torch.Tensor | None,
-           sampling: BatchSampling | None, block: bool, capturable: bool = False) -> VerifyResult:
+def accept(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    q_draft: torch.Tensor | None,
+    sampling: BatchSampling | None,
+    block: bool,
+    capturable: bool = False,
+) -> VerifyResult:
     """The verifier choice, made here only: over the target's ``logits [B, g+1, V]``, greedy for a
     greedy batch, else token-level or block verification against the processed ``p_target``."""
     if sampling is None:

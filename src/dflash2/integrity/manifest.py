@@ -1,5 +1,6 @@
 """Checkpoint manifests (sizes + sha256 per file), their signatures, verification and a
 resumable multi-source fetch that never leaves a half-written file under its final name."""
+
 from __future__ import annotations
 
 import hashlib
@@ -31,8 +32,12 @@ class FileEntry:
 
 def sha256_file(path: Path, progress: bool = True) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=path.name,
-                                     disable=not progress, leave=False) as bar:
+    with (
+        open(path, "rb") as f,
+        tqdm(
+            total=path.stat().st_size, unit="B", unit_scale=True, desc=path.name, disable=not progress, leave=False
+        ) as bar,
+    ):
         while chunk := f.read(CHUNK):
             h.update(chunk)
             bar.update(len(chunk))
@@ -42,8 +47,12 @@ def sha256_file(path: Path, progress: bool = True) -> str:
 def build_manifest(folder: str | Path) -> dict:
     folder = Path(folder)
     files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
-    return {"version": 1, "files": [{"path": str(p.relative_to(folder)), "size": p.stat().st_size,
-                                     "sha256": sha256_file(p)} for p in files]}
+    return {
+        "version": 1,
+        "files": [
+            {"path": str(p.relative_to(folder)), "size": p.stat().st_size, "sha256": sha256_file(p)} for p in files
+        ],
+    }
 
 
 def write_manifest(folder, output, secret_key: str | Path | None = None) -> Path | None:
@@ -53,14 +62,16 @@ def write_manifest(folder, output, secret_key: str | Path | None = None) -> Path
         return None
     sk = SecretKey.parse(Path(secret_key).read_text())
     sig_path = Path(str(output) + ".minisig")
-    sig_path.write_text(sign(text.encode(), sk, trusted_comment=f"timestamp:{int(time.time())}\tfile:{Path(output).name}"))
+    sig_path.write_text(
+        sign(text.encode(), sk, trusted_comment=f"timestamp:{int(time.time())}\tfile:{Path(output).name}")
+    )
     return sig_path
 
 
 # files a loader may read (weights, shard indexes, configs, token maps): an unlisted one is refused
 LOADABLE_SUFFIXES = (".safetensors", ".json", ".pt", ".pth", ".bin", ".gguf", ".npy", ".npz")
-READ_TIMEOUT_S = 30.0       # one read of a source
-SOURCE_DEADLINE_S = 600.0   # all attempts at one file from one source
+READ_TIMEOUT_S = 30.0  # one read of a source
+SOURCE_DEADLINE_S = 600.0  # all attempts at one file from one source
 
 
 class SourceError(Exception):
@@ -71,14 +82,20 @@ def _check_entry_path(manifest, raw_path) -> str:
     if not isinstance(raw_path, str) or not raw_path:
         raise ManifestError(f"{manifest}: entry path {raw_path!r} is not a file name")
     parts = raw_path.split("/")
-    if raw_path.startswith("/") or "\\" in raw_path or ":" in raw_path or \
-            any(part in ("", ".", "..") for part in parts) or "\x00" in raw_path:
+    if (
+        raw_path.startswith("/")
+        or "\\" in raw_path
+        or ":" in raw_path
+        or any(part in ("", ".", "..") for part in parts)
+        or "\x00" in raw_path
+    ):
         raise ManifestError(f"{manifest}: unsafe path {raw_path!r} (a relative path of plain names is required)")
     return raw_path
 
 
-def read_manifest(path: str | Path, signature: str | Path | None = None,
-                  public_key: str | Path | None = None) -> list[FileEntry]:
+def read_manifest(
+    path: str | Path, signature: str | Path | None = None, public_key: str | Path | None = None
+) -> list[FileEntry]:
     """Parse a manifest; when a signature is given it is checked before anything else is read."""
     try:
         data = Path(path).read_bytes()
@@ -166,13 +183,17 @@ def verify_folder(folder, manifest, signature=None, public_key=None, progress=Tr
         return False
     for e in entries:
         problem = check_file(folder, e, progress)
-        out(f"{'ok  ' if problem is None else 'FAIL'} {e.path} ({e.size:,} bytes){'' if problem is None else ': ' + problem}")
+        out(
+            f"{'ok  ' if problem is None else 'FAIL'} {e.path} ({e.size:,} bytes){'' if problem is None else ': ' + problem}"
+        )
         ok &= problem is None
     for rel in unlisted_loadable(folder, entries, manifest):
         out(f"FAIL {rel}: not listed in the manifest (a loader could read it)")
         ok = False
-    out(f"verdict: {'all ' + str(len(entries)) + ' files match' if ok else 'MISMATCH'}"
-        f"{' (signature ok)' if signature and ok else ''}")
+    out(
+        f"verdict: {'all ' + str(len(entries)) + ' files match' if ok else 'MISMATCH'}"
+        f"{' (signature ok)' if signature and ok else ''}"
+    )
     return ok
 
 
@@ -199,7 +220,7 @@ def _download(url: str, dest: Path, size: int, deadline: float) -> None:
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
     try:
         if url.startswith("file://"):
-            with open(url[len("file://"):], "rb") as src, os.fdopen(os.open(dest, flags, 0o644), "ab") as f:
+            with open(url[len("file://") :], "rb") as src, os.fdopen(os.open(dest, flags, 0o644), "ab") as f:
                 src.seek(have)
                 copy(src.read, f)
             return
@@ -219,8 +240,9 @@ def _download(url: str, dest: Path, size: int, deadline: float) -> None:
         raise SourceError(f"{type(e).__name__}: {e}") from None
 
 
-def fetch(manifest, folder, sources: list[str], attempts_per_source: int = 3, out=print,
-          deadline_s: float = SOURCE_DEADLINE_S) -> bool:
+def fetch(
+    manifest, folder, sources: list[str], attempts_per_source: int = 3, out=print, deadline_s: float = SOURCE_DEADLINE_S
+) -> bool:
     entries = read_manifest(manifest)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

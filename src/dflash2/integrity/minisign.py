@@ -5,6 +5,7 @@ Signature (.minisig): untrusted comment, base64(``ED`` | key_id | Ed25519(BLAKE2
 ``trusted comment: ...``, base64(Ed25519(signature | trusted comment)).
 Secret key: minisign's layout; only unencrypted keys (``minisign -W``) are read and written.
 """
+
 from __future__ import annotations
 
 import base64
@@ -56,6 +57,7 @@ class SecretKey:
 
     def _sk64(self) -> bytes:
         from cryptography.hazmat.primitives.serialization import NoEncryption, PrivateFormat
+
         seed = self.key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
         return seed + self.key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
@@ -72,8 +74,9 @@ class SecretKey:
         if len(raw) != 158 or raw[:2] != b"Ed":
             raise SignatureError("secret key: not a minisign Ed25519 secret key")
         if raw[2:4] != b"\x00\x00":
-            raise SignatureError("secret key: password-encrypted keys are not supported; "
-                                 "remove the password with `minisign -C -W` first")
+            raise SignatureError(
+                "secret key: password-encrypted keys are not supported; remove the password with `minisign -C -W` first"
+            )
         key_id, sk, checksum = raw[54:62], raw[62:126], raw[126:158]
         if hashlib.blake2b(b"Ed" + key_id + sk, digest_size=32).digest() != checksum:
             raise SignatureError("secret key: checksum mismatch (corrupt key file)")
@@ -85,11 +88,15 @@ def public_key_text(pk: PublicKey) -> str:
     return f"untrusted comment: minisign public key {pk.key_id[::-1].hex().upper()}\n{base64.b64encode(raw).decode()}\n"
 
 
-def sign(data: bytes, sk: SecretKey, trusted_comment: str = "", untrusted_comment: str = "signature from dflash2") -> str:
+def sign(
+    data: bytes, sk: SecretKey, trusted_comment: str = "", untrusted_comment: str = "signature from dflash2"
+) -> str:
     sig = sk.key.sign(hashlib.blake2b(data, digest_size=64).digest())
     global_sig = sk.key.sign(sig + trusted_comment.encode())
-    return (f"untrusted comment: {untrusted_comment}\n{base64.b64encode(b'ED' + sk.key_id + sig).decode()}\n"
-            f"trusted comment: {trusted_comment}\n{base64.b64encode(global_sig).decode()}\n")
+    return (
+        f"untrusted comment: {untrusted_comment}\n{base64.b64encode(b'ED' + sk.key_id + sig).decode()}\n"
+        f"trusted comment: {trusted_comment}\n{base64.b64encode(global_sig).decode()}\n"
+    )
 
 
 def verify(data: bytes, signature_text: str, pk: PublicKey) -> str:
@@ -101,14 +108,16 @@ def verify(data: bytes, signature_text: str, pk: PublicKey) -> str:
     if len(raw) != 74 or raw[:2] not in (b"ED", b"Ed"):
         raise SignatureError("signature: unknown algorithm or wrong length")
     if raw[2:10] != pk.key_id:
-        raise SignatureError(f"signature: made by key {raw[2:10][::-1].hex().upper()}, "
-                             f"not by the given public key {pk.key_id[::-1].hex().upper()}")
+        raise SignatureError(
+            f"signature: made by key {raw[2:10][::-1].hex().upper()}, "
+            f"not by the given public key {pk.key_id[::-1].hex().upper()}"
+        )
     message = hashlib.blake2b(data, digest_size=64).digest() if raw[:2] == b"ED" else data
     try:
         pk.key.verify(raw[10:], message)
     except InvalidSignature:
         raise SignatureError("signature: does not match the signed file (file or signature altered)") from None
-    trusted = lines[2][len("trusted comment: "):]
+    trusted = lines[2][len("trusted comment: ") :]
     try:
         pk.key.verify(_b64(lines[3], "global signature"), raw[10:] + trusted.encode())
     except InvalidSignature:

@@ -1,5 +1,6 @@
 """MLA attention of the draft (queries from block rows; keys/values from context + block rows)
 and the block-causal sliding-window mask builder."""
+
 from __future__ import annotations
 
 import torch
@@ -23,14 +24,14 @@ class RMSNorm(nn.Module):
 
 
 def build_block_mask(
-    q_pos: torch.Tensor,        # [B, Lq] absolute positions of block rows
-    q_anchor: torch.Tensor,     # [B, Lq] anchor position of each row's block
-    q_block: torch.Tensor,      # [B, Lq] block id (unique per block within a batch row)
-    ctx_pos: torch.Tensor,      # [B, Tc] absolute positions of context rows
-    ctx_valid: torch.Tensor,    # [B, Tc] False for padding
+    q_pos: torch.Tensor,  # [B, Lq] absolute positions of block rows
+    q_anchor: torch.Tensor,  # [B, Lq] anchor position of each row's block
+    q_block: torch.Tensor,  # [B, Lq] block id (unique per block within a batch row)
+    ctx_pos: torch.Tensor,  # [B, Tc] absolute positions of context rows
+    ctx_valid: torch.Tensor,  # [B, Tc] False for padding
     window: int,
     is_causal: bool,
-    q_seq: torch.Tensor | None = None,    # [B, Lq] request id (packed layouts); None = one request per row
+    q_seq: torch.Tensor | None = None,  # [B, Lq] request id (packed layouts); None = one request per row
     ctx_seq: torch.Tensor | None = None,  # [B, Tc]
 ) -> torch.Tensor:
     """Boolean ``[B, Lq, Tc + Lq]``: True where a block query may attend (context keys first).
@@ -70,8 +71,9 @@ class MLAttention(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, k_pe.dtype)
         return torch.cat([self.kv_a_layernorm(c), apply_interleaved_rope(k_pe, cos, sin)], dim=-1)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx_latent: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, ctx_latent: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         cfg = self.cfg
         B, Lq, _ = h.shape
         n = cfg.num_attention_heads
@@ -86,13 +88,13 @@ class MLAttention(nn.Module):
         # instead of expanding every context row to n heads each step. Same function as
         # k_nope, v = kv_b(c) per head; the test against the float64 reference checks that.
         w_kv = self.kv_b_proj.weight.view(n, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        w_uk, w_uv = w_kv[:, :cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim:]
+        w_uk, w_uv = w_kv[:, : cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim :]
         q_lat = torch.einsum("blhd,hdc->bhlc", q_nope, w_uk)
-        q = torch.cat([q_lat, q_pe.transpose(1, 2)], -1)                      # [B, n, Lq, lora+rope]
+        q = torch.cat([q_lat, q_pe.transpose(1, 2)], -1)  # [B, n, Lq, lora+rope]
         # Every head reads the same latent keys/values (MQA form), so all n*Lq query rows go through
         # one matmul against [B, Lk, D]; SDPA over the head-expanded (stride-0) k/v took 3 ms a layer
         # on the CPU, mostly scaling the expanded keys. Scores and softmax in fp32, cast back once.
-        keys = lat.float()                                                     # [B, Lk, lora+rope]
+        keys = lat.float()  # [B, Lk, lora+rope]
         scores = torch.matmul(q.float().reshape(B, n * Lq, -1), keys.transpose(1, 2)).view(B, n, Lq, -1)
         scores = (scores * self.scale).masked_fill(~mask.unsqueeze(1), float("-inf"))
         out_lat = torch.matmul(scores.softmax(-1).view(B, n * Lq, -1), c.float())

@@ -1,5 +1,6 @@
 """Checkpoint I/O in the published layout: ``config.json`` + ``model.safetensors`` (or shards
 with ``model.safetensors.index.json``). Every problem is reported by tensor or file name."""
+
 from __future__ import annotations
 
 import json
@@ -33,10 +34,17 @@ def _shard_files(folder: Path) -> dict[str, list[str]]:
         files: dict[str, list[str]] = {}
         for name, fname in weight_map.items():
             # a shard is a plain file name inside the folder: nothing is read from elsewhere
-            if not isinstance(fname, str) or not fname.endswith(".safetensors") or fname != Path(fname).name \
-                    or fname in (".", "..") or "\\" in fname:
-                raise CheckpointError(f"{folder / INDEX}: shard {fname!r} of tensor {name!r} is not a plain "
-                                      f".safetensors file name inside the folder")
+            if (
+                not isinstance(fname, str)
+                or not fname.endswith(".safetensors")
+                or fname != Path(fname).name
+                or fname in (".", "..")
+                or "\\" in fname
+            ):
+                raise CheckpointError(
+                    f"{folder / INDEX}: shard {fname!r} of tensor {name!r} is not a plain "
+                    f".safetensors file name inside the folder"
+                )
             files.setdefault(fname, []).append(name)
         return files
     if (folder / SINGLE).is_file():
@@ -61,8 +69,10 @@ def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
         except Exception as e:  # safetensors raises its own error types for corrupt/truncated data
             raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({type(e).__name__}: {e})") from None
         if expected and sorted(expected) != sorted(names):
-            raise CheckpointError(f"{path}: tensors differ from {INDEX}: "
-                                  f"missing {sorted(set(expected) - set(names))}, extra {sorted(set(names) - set(expected))}")
+            raise CheckpointError(
+                f"{path}: tensors differ from {INDEX}: "
+                f"missing {sorted(set(expected) - set(names))}, extra {sorted(set(names) - set(expected))}"
+            )
     return state
 
 
@@ -75,8 +85,9 @@ def check_finite(state: dict[str, torch.Tensor], where: str | Path) -> None:
                 raise CheckpointError(f"{where}: tensor {name} holds {bad} non-finite value(s) (NaN or inf)")
 
 
-def load_draft(folder: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None) -> DFlash2DraftModel:
+def load_draft(
+    folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> DFlash2DraftModel:
     folder = Path(folder)
     cfg = DFlash2Config.from_file(folder)
     state = read_state_dict(folder)
@@ -86,8 +97,11 @@ def load_draft(folder: str | Path, device: str | torch.device = "cpu",
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
-    misshaped = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
-                 for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    misshaped = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
     if missing or unexpected or misshaped:
         lines = [f"{folder}: checkpoint does not match config.json"]
         lines += [f"  missing tensor: {k}" for k in missing]
@@ -101,8 +115,9 @@ def load_draft(folder: str | Path, device: str | torch.device = "cpu",
     return model.eval()
 
 
-def save_draft(model: DFlash2DraftModel, folder: str | Path, max_shard_bytes: int | None = None,
-               dtype: torch.dtype | None = None) -> None:
+def save_draft(
+    model: DFlash2DraftModel, folder: str | Path, max_shard_bytes: int | None = None, dtype: torch.dtype | None = None
+) -> None:
     """Write ``config.json`` and the weights; shard when ``max_shard_bytes`` is given and exceeded."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -136,8 +151,15 @@ def parameter_report(cfg: DFlash2Config) -> dict[str, int]:
         model = DFlash2DraftModel(cfg)
     groups = {"layers": 0, "fc": 0, "norms": 0, "selector": 0}
     for name, p in model.named_parameters():
-        key = ("layers" if name.startswith("layers.") else "fc" if name.startswith("fc.")
-               else "selector" if name.startswith("candidate_selector.") else "norms")
+        key = (
+            "layers"
+            if name.startswith("layers.")
+            else "fc"
+            if name.startswith("fc.")
+            else "selector"
+            if name.startswith("candidate_selector.")
+            else "norms"
+        )
         groups[key] += p.numel()
     groups["total"] = sum(groups.values())
     return groups

@@ -4,6 +4,7 @@ Per request and layer we keep ``[c_kv | roped k_pe]`` (kv_lora + rope values) pe
 token, so each step projects only newly committed rows. Rows that no future block can see
 (``k <= anchor - sliding_window``) are dropped: memory is bounded by the window.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,8 +23,9 @@ class DraftContextCache:
         cfg = draft.config
         p = next(draft.parameters())
         self.window = cfg.sliding_window
-        self.latents = torch.empty(cfg.num_hidden_layers, 0, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-                                   dtype=p.dtype, device=p.device)
+        self.latents = torch.empty(
+            cfg.num_hidden_layers, 0, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=p.dtype, device=p.device
+        )
         self.start = self.end = 0
 
     def __len__(self) -> int:
@@ -45,8 +47,10 @@ class DraftContextCache:
         """Add rows already projected (``[num_layers, T, D]``, positions from ``start``), e.g. by
         :func:`append_many`. The context must stay contiguous."""
         if len(self) and start != self.end:
-            raise ValueError(f"draft context holds positions {self.start}..{self.end - 1}; "
-                             f"new rows must start at {self.end}, not {start}")
+            raise ValueError(
+                f"draft context holds positions {self.start}..{self.end - 1}; "
+                f"new rows must start at {self.end}, not {start}"
+            )
         if not len(self):
             self.start = start
         self.latents = torch.cat([self.latents, latents], dim=1)
@@ -61,8 +65,9 @@ class DraftContextCache:
 
 
 @torch.no_grad()
-def append_many(draft: DFlash2DraftModel, caches: list[DraftContextCache], features: list[torch.Tensor],
-                starts: list[int]) -> None:
+def append_many(
+    draft: DFlash2DraftModel, caches: list[DraftContextCache], features: list[torch.Tensor], starts: list[int]
+) -> None:
     """:meth:`DraftContextCache.append` for many requests in one projection: the latent rows are
     per token (fuse, kv_a, norm, rope at the token's own position), so packing every request's new
     rows into one sequence gives the same rows with one launch per kernel instead of one per request."""
@@ -79,7 +84,7 @@ def append_many(draft: DFlash2DraftModel, caches: list[DraftContextCache], featu
 
 @dataclass
 class DraftBlockOutput:
-    hidden: torch.Tensor   # [B, width-1, H] final-normed hidden of slots 1..width-1
+    hidden: torch.Tensor  # [B, width-1, H] final-normed hidden of slots 1..width-1
     draft: DFlash2DraftModel
     lm_head_weight: torch.Tensor
 
@@ -93,18 +98,26 @@ class DraftBlockOutput:
         return self.draft.candidates(self.hidden, self.lm_head_weight)
 
 
-def greedy_walk(draft: DFlash2DraftModel, hidden: torch.Tensor, anchors: torch.Tensor,
-                lm_head_weight: torch.Tensor) -> torch.Tensor:
+def greedy_walk(
+    draft: DFlash2DraftModel, hidden: torch.Tensor, anchors: torch.Tensor, lm_head_weight: torch.Tensor
+) -> torch.Tensor:
     """The selector's argmax path ``[B, g]`` over the slots' candidates (no host reads: capturable)."""
     zeros = torch.zeros(anchors.shape[0], device=anchors.device)
-    return draft.candidate_selector.walk(draft.candidates(hidden, lm_head_weight), hidden, anchors, zeros,
-                                         all_greedy=True).tokens
+    return draft.candidate_selector.walk(
+        draft.candidates(hidden, lm_head_weight), hidden, anchors, zeros, all_greedy=True
+    ).tokens
 
 
 @torch.no_grad()
-def draft_block(draft: DFlash2DraftModel, caches: list[DraftContextCache], anchors: torch.Tensor,
-                anchor_pos: torch.Tensor, width: int, embed: torch.nn.Module,
-                lm_head_weight: torch.Tensor) -> DraftBlockOutput:
+def draft_block(
+    draft: DFlash2DraftModel,
+    caches: list[DraftContextCache],
+    anchors: torch.Tensor,
+    anchor_pos: torch.Tensor,
+    width: int,
+    embed: torch.nn.Module,
+    lm_head_weight: torch.Tensor,
+) -> DraftBlockOutput:
     """One batched draft forward: block ``[anchor, MASK x (width-1)]`` per request."""
     cfg = draft.config
     device = anchors.device
@@ -126,7 +139,14 @@ def draft_block(draft: DFlash2DraftModel, caches: list[DraftContextCache], ancho
     block_ids = torch.full((B, width), cfg.mask_token_id, dtype=torch.long, device=device)
     block_ids[:, 0] = anchors
     q_pos = anchor_pos[:, None] + torch.arange(width, device=device)
-    mask = build_block_mask(q_pos, anchor_pos[:, None].expand(B, width), torch.zeros_like(q_pos),
-                            ctx_pos, ctx_valid, cfg.sliding_window, cfg.is_causal)
+    mask = build_block_mask(
+        q_pos,
+        anchor_pos[:, None].expand(B, width),
+        torch.zeros_like(q_pos),
+        ctx_pos,
+        ctx_valid,
+        cfg.sliding_window,
+        cfg.is_causal,
+    )
     hidden = draft(embed(block_ids), q_pos, lat, mask, width)[:, 1:]
     return DraftBlockOutput(hidden, draft, lm_head_weight)

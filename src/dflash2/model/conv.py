@@ -3,6 +3,7 @@
 Each block of ``width`` rows is convolved on its own: taps never cross a block boundary, so
 many blocks can be packed in one tensor and any serving width works with the trained weights.
 """
+
 from __future__ import annotations
 
 import torch

@@ -9,6 +9,7 @@ reordered once into its blocked layout reads ~9 GB/s at 1 row and 7.5-8.7 GB/s a
 function is computed, only float rounding differs. A weight changed after packing (its
 ``_version`` moves) is repacked; autograd and non-fp32 inputs take ``F.linear``.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,11 @@ def onednn_available() -> bool:
     """``DFLASH2_ONEDNN=0`` turns the packed path off (A/B timing, or a build that misbehaves)."""
     if os.environ.get("DFLASH2_ONEDNN", "1") == "0":
         return False
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 def lm_head_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -52,8 +56,11 @@ class PackedWeight:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or (torch.is_grad_enabled() and
-                                                                  (x.requires_grad or self.weight.requires_grad)):
+        if (
+            x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        ):
             return F.linear(x, self.weight)
         if self.weight._version != self.version:
             self._pack()
@@ -89,7 +96,9 @@ QUANTIZATIONS = ("none", "w8a8_int8")
 def check_quantization(quantization: str, what: str = "") -> None:
     """A clear error for a name outside :data:`QUANTIZATIONS` (``what``: whose, for the message)."""
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"unknown {what + ' ' if what else ''}quantization {quantization!r}; choose from {QUANTIZATIONS}")
+        raise ValueError(
+            f"unknown {what + ' ' if what else ''}quantization {quantization!r}; choose from {QUANTIZATIONS}"
+        )
 
 
 def int8_available() -> bool:

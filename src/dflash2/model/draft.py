@@ -1,4 +1,5 @@
 """The DFlash2 draft network (spec section 2), with the published tensor names."""
+
 from __future__ import annotations
 
 import torch
@@ -89,8 +90,14 @@ class DFlash2DraftModel(nn.Module):
         return self.context_latents(self.fuse(target_features), positions)
 
     # ---- block ------------------------------------------------------------------------------
-    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, ctx_latents: torch.Tensor,
-                mask: torch.Tensor, width: int) -> torch.Tensor:
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_latents: torch.Tensor,
+        mask: torch.Tensor,
+        width: int,
+    ) -> torch.Tensor:
         """Block rows ``[B, N*width, H]`` (N blocks of ``[anchor, MASK...]`` embeddings) -> final-normed
         hidden states. ``ctx_latents [num_layers, B, Tc, D]``; ``mask [B, N*width, Tc + N*width]``."""
         x = block_embeds.to(self.fc.weight.dtype)
@@ -105,8 +112,11 @@ class DFlash2DraftModel(nn.Module):
             return
         if ids.numel() < self.config.selector_top_k:
             from .token_map import TokenMapError
-            raise TokenMapError(f"token map has {ids.numel()} ids; the selector needs at least "
-                                f"selector_top_k = {self.config.selector_top_k}")
+
+            raise TokenMapError(
+                f"token map has {ids.numel()} ids; the selector needs at least "
+                f"selector_top_k = {self.config.selector_top_k}"
+            )
         ids = ids.to(lm_head_weight.device)
         # the head rows are copied once, contiguous, so each step reads only |ids| x H
         sub_weight = lm_head_weight.index_select(0, ids).contiguous()

@@ -1,4 +1,5 @@
 """Interleaved (DeepSeek) RoPE on the rope dims, with YaRN frequency scaling."""
+
 from __future__ import annotations
 
 import math
@@ -22,13 +23,13 @@ def rope_inv_freq(cfg: DFlash2Config) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (float64, one per rotated pair) and the cos/sin magnitude scale."""
     dim, base = cfg.qk_rope_head_dim, float(cfg.rope_theta)
     exps = torch.arange(0, dim, 2, dtype=torch.float64) / dim
-    freq_extra = 1.0 / (base ** exps)
+    freq_extra = 1.0 / (base**exps)
     rs = cfg.yarn()
     if rs is None:
         return freq_extra, 1.0
     factor = float(rs["factor"])
     orig = int(rs.get("original_max_position_embeddings", cfg.max_position_embeddings // max(int(factor), 1)))
-    freq_inter = 1.0 / (factor * base ** exps)
+    freq_inter = 1.0 / (factor * base**exps)
     low, high = yarn_correction_range(rs.get("beta_fast", 32), rs.get("beta_slow", 1), dim, base, orig)
     if low == high:
         high += 0.001  # avoid a zero-width ramp

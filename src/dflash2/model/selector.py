@@ -4,6 +4,7 @@
 (slot 1's predecessor is the anchor). Greedy rows take the argmax (exact ties: lower token id);
 sampled rows draw from ``q_t = softmax(S_t / T)`` and keep ``q_t`` for the verifier.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,9 +17,9 @@ from ..sampling import probs_from_logits, sample_from_probs
 
 @dataclass
 class SelectorOutput:
-    tokens: torch.Tensor      # [B, g] the chosen path
-    cand_ids: torch.Tensor    # [B, g, k] candidate token ids per slot
-    q_draft: torch.Tensor     # [B, g, k] the distribution each token was chosen from (one-hot when greedy)
+    tokens: torch.Tensor  # [B, g] the chosen path
+    cand_ids: torch.Tensor  # [B, g, k] candidate token ids per slot
+    q_draft: torch.Tensor  # [B, g, k] the distribution each token was chosen from (one-hot when greedy)
 
     def dense_q(self, vocab_size: int) -> torch.Tensor:
         """``q_draft`` scattered over the vocabulary: ``[B, g, V]``, zero outside the candidates."""
@@ -57,10 +58,19 @@ class CandidateSelector(nn.Module):
         return self.successor_codebook[cand_ids].float() * g_t.unsqueeze(-2)
 
     @torch.no_grad()
-    def walk(self, candidates: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, anchor: torch.Tensor,
-             temperature: torch.Tensor, uniforms: torch.Tensor | None = None,
-             top_k=-1, top_p=1.0, min_p=0.0, all_greedy: bool | None = None,
-             capturable: bool = False) -> SelectorOutput:
+    def walk(
+        self,
+        candidates: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        anchor: torch.Tensor,
+        temperature: torch.Tensor,
+        uniforms: torch.Tensor | None = None,
+        top_k=-1,
+        top_p=1.0,
+        min_p=0.0,
+        all_greedy: bool | None = None,
+        capturable: bool = False,
+    ) -> SelectorOutput:
         """``candidates``: ``(U, cand)`` per slot, ``[B, g, k]`` each (:meth:`candidates` of the slot
         logits, or ``DFlash2DraftModel.candidates``); ``hidden [B, g, H]`` of the draft slots;
         ``anchor [B]``; ``temperature [B]`` (0 = greedy row); ``uniforms [B, g]``, required when a row samples.
@@ -77,7 +87,7 @@ class CandidateSelector(nn.Module):
         # slot t+1 after each of slot t's k candidates. The walk itself is then only indexing
         # (scoring, filtering and sampling slot by slot, ~50 small ops a slot, cost 3 ms more a sampled
         # CPU propose at w=8: 31 against 28 ms).
-        S_first = U[:, 0] + torch.einsum("bkr,br->bk", W[:, 0], A[anchor].float())                # [B, k]
+        S_first = U[:, 0] + torch.einsum("bkr,br->bk", W[:, 0], A[anchor].float())  # [B, k]
         S_next = U[:, 1:, None] + torch.einsum("btkr,btjr->btjk", W[:, 1:], A[cand[:, :-1]].float())  # [B, g-1, k, k]
         # greedy: argmax with exact ties going to the lower token id
         g_first, g_next = _argmax_lowest_id(S_first, cand[:, 0]), _argmax_lowest_id(S_next, cand[:, 1:, None])
@@ -86,7 +96,7 @@ class CandidateSelector(nn.Module):
                 raise ValueError("the selector walk needs uniforms [B, g] when a row samples (temperature > 0)")
             q_first = probs_from_logits(S_first, temperature, top_k, top_p, min_p, capturable)
             q_next = probs_from_logits(S_next, temperature, top_k, top_p, min_p, capturable)
-            greedy_row = (temperature == 0)
+            greedy_row = temperature == 0
         rows = torch.arange(B, device=U.device)
         js, qs = [], []
         for t in range(g):
@@ -98,7 +108,7 @@ class CandidateSelector(nn.Module):
                 j = torch.where(greedy_row, greedy_j, sample_from_probs(q, uniforms[:, t]))
                 qs.append(q)
             js.append(j)
-        j = torch.stack(js, 1)                                                                     # [B, g]
+        j = torch.stack(js, 1)  # [B, g]
         tokens = cand.gather(-1, j[..., None]).squeeze(-1)
         q_draft = torch.nn.functional.one_hot(j, k).float()
         if not all_greedy:

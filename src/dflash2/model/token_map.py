@@ -5,6 +5,7 @@ the target's full distribution, and a token outside the map simply gets q_draft 
 
 The file is a 1-D tensor of token ids saved with ``torch.save`` (``.pt``) or a JSON list.
 """
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ No request can stop it: bodies are capped in size, tokenization and chat templat
 worker thread (not the event loop), every refusal is a 4xx with an OpenAI-shaped body, a client
 that goes away aborts its request, and a request that fails mid-stream ends with an error event.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,13 +33,19 @@ from .parsers import ReasoningParser, ToolCallParser
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, StreamOptions
 
 log = logging.getLogger("dflash2.server")
-MAX_BODY_BYTES = 8 << 20      # 8 MiB: a 128k-token prompt as text or as ids fits several times over
-DISCONNECT_POLL_S = 0.5       # how often a waiting request checks that its client is still there
+MAX_BODY_BYTES = 8 << 20  # 8 MiB: a 128k-token prompt as text or as ids fits several times over
+DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its client is still there
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
@@ -77,8 +84,13 @@ class BodyLimit:
 
     async def _refuse(self, send):
         body = json.dumps(error_body(self._message(), "invalid_request_error", None, "request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -95,11 +107,25 @@ class APIKey:
         got = dict(scope.get("headers") or []).get(b"authorization", b"")
         if hmac.compare_digest(got, self.expected):
             return await self.app(scope, receive, send)
-        body = json.dumps(error_body("missing or wrong API key (Authorization: Bearer <key>)",
-                                     "invalid_request_error", None, "invalid_api_key")).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
+        body = json.dumps(
+            error_body(
+                "missing or wrong API key (Authorization: Bearer <key>)",
+                "invalid_request_error",
+                None,
+                "invalid_api_key",
+            )
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -135,10 +161,10 @@ class Detokenizer:
         if not final:
             if text.endswith("\ufffd"):
                 return ""
-            text = text[:len(text) - stop_prefix_len(text, req.stop_strings)]
+            text = text[: len(text) - stop_prefix_len(text, req.stop_strings)]
         if len(text) <= len(self.sent):
             return ""
-        out, self.sent = text[len(self.sent):], text
+        out, self.sent = text[len(self.sent) :], text
         return out
 
 
@@ -146,6 +172,7 @@ class Detokenizer:
 class ServerState:
     """What every endpoint reads: the engine, the tokenizer (used on one worker thread, off the
     event loop) and the served model's name, context and output parsers."""
+
     engine: LLMEngine
     tokenizer: Any
     model_name: str
@@ -154,7 +181,8 @@ class ServerState:
     tool_call_parser: str | None = None
     server_args: dict = field(default_factory=dict)
     tok_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash2-tokenize"))
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash2-tokenize")
+    )
 
     @property
     def skip_special(self) -> bool:  # Kimi-K2's tool-call section markers are special tokens
@@ -180,13 +208,21 @@ def state_of(http: HTTPRequest) -> ServerState:
     return http.app.state.dflash2
 
 
-def create_app(engine: LLMEngine, tokenizer, model_name: str, context_length: int,
-               reasoning_parser: str | None = None, tool_call_parser: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
-               server_args: dict | None = None) -> FastAPI:
+def create_app(
+    engine: LLMEngine,
+    tokenizer,
+    model_name: str,
+    context_length: int,
+    reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    api_key: str | None = None,
+    server_args: dict | None = None,
+) -> FastAPI:
     app = FastAPI(title="dflash2")
-    app.state.dflash2 = ServerState(engine, tokenizer, model_name, context_length, reasoning_parser, tool_call_parser,
-                                    dict(server_args or {}))
+    app.state.dflash2 = ServerState(
+        engine, tokenizer, model_name, context_length, reasoning_parser, tool_call_parser, dict(server_args or {})
+    )
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(APIKey, api_key=api_key)  # added last: runs first
@@ -231,22 +267,39 @@ def check_model(st: ServerState, name: str | None) -> None:
         raise APIError(404, f"The model '{name}' does not exist", "invalid_request_error", "model", "model_not_found")
 
 
-def make_request(st: ServerState, prompt_ids: list[int], max_tokens: int | None, body, param: str = "prompt") -> Request:
+def make_request(
+    st: ServerState, prompt_ids: list[int], max_tokens: int | None, body, param: str = "prompt"
+) -> Request:
     ctx = st.context_length
     if not prompt_ids:
         raise APIError(400, "the prompt is empty", param=param)
     if len(prompt_ids) >= ctx:
-        raise APIError(400, f"This model's maximum context length is {ctx} tokens; the prompt has "
-                            f"{len(prompt_ids)} tokens", param=param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {ctx} tokens; the prompt has {len(prompt_ids)} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
     budget = ctx - len(prompt_ids)
     max_new = max_tokens if max_tokens is not None else budget
     if max_new > budget:
-        raise APIError(400, f"max_tokens={max_new} plus the prompt's {len(prompt_ids)} tokens exceeds the "
-                            f"context length {ctx}", param="max_tokens", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"max_tokens={max_new} plus the prompt's {len(prompt_ids)} tokens exceeds the context length {ctx}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     try:
-        sp = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                            max_new_tokens=max_new, seed=body.effective_seed,
-                            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+        sp = SamplingParams(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            max_new_tokens=max_new,
+            seed=body.effective_seed,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+        )
     except ValueError as e:
         raise APIError(400, str(e)) from None
     return Request(list(prompt_ids), sp, stop_strings=body.stop_strings())
@@ -312,9 +365,13 @@ async def stream_tokens(st: ServerState, req: Request, http: HTTPRequest, skip: 
 
 
 def usage(req: Request) -> dict:
-    return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
-            "total_tokens": len(req.prompt_ids) + len(req.output_ids), "spec_verify_ct": req.verify_steps,
-            "spec_accept_length": round(req.accept_length, 4)}
+    return {
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": len(req.output_ids),
+        "total_tokens": len(req.prompt_ids) + len(req.output_ids),
+        "spec_verify_ct": req.verify_steps,
+        "spec_accept_length": round(req.accept_length, 4),
+    }
 
 
 def sglang_finish(req: Request) -> dict | None:
@@ -354,16 +411,31 @@ async def health(http: HTTPRequest):
 @router.get("/v1/models")
 async def models(http: HTTPRequest):
     st = state_of(http)
-    return {"object": "list", "data": [{"id": st.model_name, "object": "model", "created": 0, "owned_by": "dflash2",
-                                        "max_model_len": st.context_length}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": st.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "dflash2",
+                "max_model_len": st.context_length,
+            }
+        ],
+    }
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, http: HTTPRequest):
     st = state_of(http)
     check_model(st, model_id)
-    return {"id": st.model_name, "object": "model", "created": 0, "owned_by": "dflash2",
-            "max_model_len": st.context_length}
+    return {
+        "id": st.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "dflash2",
+        "max_model_len": st.context_length,
+    }
 
 
 @router.get("/version")
@@ -382,8 +454,7 @@ def package_version() -> str:
 async def model_info(http: HTTPRequest):
     st = state_of(http)
     path = st.server_args.get("model_path") or st.model_name
-    return {"model_path": path, "tokenizer_path": path, "is_generation": True,
-            "served_model_name": st.model_name}
+    return {"model_path": path, "tokenizer_path": path, "is_generation": True, "served_model_name": st.model_name}
 
 
 @router.get("/server_info")
@@ -393,10 +464,19 @@ async def server_info(http: HTTPRequest):
     st = state_of(http)
     s = st.engine.stats
     elapsed = max(time.perf_counter() - s.started, 1e-9)
-    return {**st.server_args, "version": package_version(), "served_model_name": st.model_name,
-            "context_length": st.context_length, "speculative_num_draft_tokens": st.engine.width,
-            "internal_states": [{"avg_spec_accept_length": s.generated_tokens / s.verify_steps if s.verify_steps
-                                 else 0.0, "last_gen_throughput": s.generated_tokens / elapsed}]}
+    return {
+        **st.server_args,
+        "version": package_version(),
+        "served_model_name": st.model_name,
+        "context_length": st.context_length,
+        "speculative_num_draft_tokens": st.engine.width,
+        "internal_states": [
+            {
+                "avg_spec_accept_length": s.generated_tokens / s.verify_steps if s.verify_steps else 0.0,
+                "last_gen_throughput": s.generated_tokens / elapsed,
+            }
+        ],
+    }
 
 
 @router.get("/health_generate")
@@ -405,8 +485,11 @@ async def health_generate(http: HTTPRequest):
     st = state_of(http)
     if st.engine.health():
         return JSONResponse({"status": "error", "message": st.engine.health()}, status_code=503)
-    req = Request(await st.encode("Hi", "text"), SamplingParams(max_new_tokens=1, ignore_eos=True),
-                  request_id=f"health-{uuid.uuid4().hex}")
+    req = Request(
+        await st.encode("Hi", "text"),
+        SamplingParams(max_new_tokens=1, ignore_eos=True),
+        request_id=f"health-{uuid.uuid4().hex}",
+    )
     try:
         await asyncio.wait_for(run_to_end(st, req, http), timeout=60)
     except (asyncio.TimeoutError, APIError) as e:
@@ -459,8 +542,11 @@ def text_messages(messages: list[dict]) -> list[dict]:
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 if kind != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"messages[{i}].content: a part of type {kind!r} is not supported (this "
-                                        f"model reads text only)", param=f"messages[{i}].content")
+                    raise APIError(
+                        400,
+                        f"messages[{i}].content: a part of type {kind!r} is not supported (this model reads text only)",
+                        param=f"messages[{i}].content",
+                    )
                 texts.append(part["text"])
             content = "\n".join(texts)
         elif content is None:
@@ -481,15 +567,19 @@ async def chat(body: ChatCompletionRequest, http: HTTPRequest):
     use_tools = body.tool_choice != "none"
     messages = text_messages(body.messages)
     try:
-        ids = await st.off_loop(st.tokenizer.apply_chat_template, messages, tools=body.tools if use_tools else None,
-                                add_generation_prompt=True, tokenize=True)
+        ids = await st.off_loop(
+            st.tokenizer.apply_chat_template,
+            messages,
+            tools=body.tools if use_tools else None,
+            add_generation_prompt=True,
+            tokenize=True,
+        )
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     except Exception as e:
         raise APIError(400, f"messages could not be rendered with the chat template: {e}", param="messages") from None
     parser = st.tool_call_parser if use_tools else None
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    batch = samples(make_request(st, ids, body.max_completion_tokens or body.max_tokens, body, "messages"), body.n,
-                    rid)
+    batch = samples(make_request(st, ids, body.max_completion_tokens or body.max_tokens, body, "messages"), body.n, rid)
     if not body.stream:
         await run_all(st, batch, http)
         choices = []
@@ -504,27 +594,52 @@ async def chat(body: ChatCompletionRequest, http: HTTPRequest):
                 if calls:
                     msg["tool_calls"] = calls
             msg["content"] = text
-            choices.append({"index": i, "message": msg, "finish_reason": finish_reason(r, bool(calls)),
-                            "matched_stop": r.matched_stop})
-        return {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
-                "choices": choices, "usage": total_usage(batch, prompts=1)}
+            choices.append(
+                {
+                    "index": i,
+                    "message": msg,
+                    "finish_reason": finish_reason(r, bool(calls)),
+                    "matched_stop": r.matched_stop,
+                }
+            )
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": st.model_name,
+            "choices": choices,
+            "usage": total_usage(batch, prompts=1),
+        }
     if len(batch) > 1:
         raise APIError(400, "stream with n > 1 is not supported yet: send n streams", param="n")
     req = batch[0]
-    return StreamingResponse(chat_events(st, req, http, rid, created, parser, body.stream_options),
-                             media_type="text/event-stream")
+    return StreamingResponse(
+        chat_events(st, req, http, rid, created, parser, body.stream_options), media_type="text/event-stream"
+    )
 
 
-async def chat_events(st: ServerState, req: Request, http: HTTPRequest, rid: str, created: int, parser: str | None,
-                      options: StreamOptions | None):
+async def chat_events(
+    st: ServerState,
+    req: Request,
+    http: HTTPRequest,
+    rid: str,
+    created: int,
+    parser: str | None,
+    options: StreamOptions | None,
+):
     rp = ReasoningParser() if st.reasoning_parser else None
     tp = ToolCallParser(parser) if parser else None
     n_calls = 0
     every = bool(options and options.continuous_usage_stats)
 
     def chunk(delta: dict, finish=None):
-        d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
-             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        d = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": st.model_name,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
         if every:
             d["usage"] = usage(req)
         return f"data: {json.dumps(d)}\n\n"
@@ -582,8 +697,14 @@ def samples(req: Request, n: int, rid: str) -> list[Request]:
     out = []
     for j in range(n):
         s = None if seed is None else (seed + j if seed + j <= SEED_RANGE[1] else seed - j)
-        out.append(Request(list(req.prompt_ids), dataclasses.replace(req.sampling, seed=s),
-                           stop_strings=req.stop_strings, request_id=f"{rid}-{j}"))
+        out.append(
+            Request(
+                list(req.prompt_ids),
+                dataclasses.replace(req.sampling, seed=s),
+                stop_strings=req.stop_strings,
+                request_id=f"{rid}-{j}",
+            )
+        )
     return out
 
 
@@ -614,19 +735,40 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     check_model(st, body.model)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     prompts = await prompt_ids(st, body.prompt, "prompt")
-    batch = [r for i, ids in enumerate(prompts)
-             for r in samples(make_request(st, ids, body.max_tokens, body), body.n,
-                              rid if len(prompts) == 1 else f"{rid}-{i}")]
+    batch = [
+        r
+        for i, ids in enumerate(prompts)
+        for r in samples(
+            make_request(st, ids, body.max_tokens, body), body.n, rid if len(prompts) == 1 else f"{rid}-{i}"
+        )
+    ]
     options = body.stream_options
     if not body.stream:
         await run_all(st, batch, http)
-        choices = [{"index": i, "text": await st.final_text(r), "finish_reason": finish_reason(r), "logprobs": None,
-                    "matched_stop": r.matched_stop} for i, r in enumerate(batch)]
-        return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
-                "choices": choices, "usage": total_usage(batch, prompts=len(prompts))}
+        choices = [
+            {
+                "index": i,
+                "text": await st.final_text(r),
+                "finish_reason": finish_reason(r),
+                "logprobs": None,
+                "matched_stop": r.matched_stop,
+            }
+            for i, r in enumerate(batch)
+        ]
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": st.model_name,
+            "choices": choices,
+            "usage": total_usage(batch, prompts=len(prompts)),
+        }
     if len(batch) > 1:
-        raise APIError(400, "stream with a batch of prompts or n > 1 is not supported yet: send one stream each",
-                       param="prompt" if len(prompts) > 1 else "n")
+        raise APIError(
+            400,
+            "stream with a batch of prompts or n > 1 is not supported yet: send one stream each",
+            param="prompt" if len(prompts) > 1 else "n",
+        )
     req = batch[0]
 
     async def events():
@@ -635,8 +777,13 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
                 yield error_event(req)
                 break
             if delta or done:
-                d = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
-                     "choices": [{"index": 0, "text": delta, "finish_reason": finish_reason(req) if done else None}]}
+                d = {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": st.model_name,
+                    "choices": [{"index": 0, "text": delta, "finish_reason": finish_reason(req) if done else None}],
+                }
                 if options and options.continuous_usage_stats:
                     d["usage"] = usage(req)
                 yield f"data: {json.dumps(d)}\n\n"
@@ -653,9 +800,11 @@ def total_usage(batch: list[Request], prompts: int) -> dict:
     if len(per) == 1:
         return per[0]
     n = len(batch) // prompts
-    out = {"prompt_tokens": sum(u["prompt_tokens"] for u in per[::n]),
-           "completion_tokens": sum(u["completion_tokens"] for u in per),
-           "spec_verify_ct": sum(u["spec_verify_ct"] for u in per)}
+    out = {
+        "prompt_tokens": sum(u["prompt_tokens"] for u in per[::n]),
+        "completion_tokens": sum(u["completion_tokens"] for u in per),
+        "spec_verify_ct": sum(u["spec_verify_ct"] for u in per),
+    }
     out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
     out["spec_accept_length"] = round(out["completion_tokens"] / max(out["spec_verify_ct"], 1), 4)
     return out
@@ -671,25 +820,40 @@ async def generate(body: GenerateRequest, http: HTTPRequest):
     many = is_batch(prompt) or sp.n > 1
     rid = body.rid or uuid.uuid4().hex
     prompts = await prompt_ids(st, prompt, param)
-    batch = [r for i, ids in enumerate(prompts)
-             for r in samples(make_request(st, ids, sp.max_new_tokens, sp, param), sp.n,
-                              rid if len(prompts) == 1 else f"{rid}-{i}")]
+    batch = [
+        r
+        for i, ids in enumerate(prompts)
+        for r in samples(
+            make_request(st, ids, sp.max_new_tokens, sp, param), sp.n, rid if len(prompts) == 1 else f"{rid}-{i}"
+        )
+    ]
     t0 = time.perf_counter()
 
     def meta(req: Request) -> dict:
-        return {"id": req.request_id, "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
-                "cached_tokens": 0,  # no prefix cache
-                "spec_verify_ct": req.verify_steps, "spec_accept_length": req.accept_length,
-                "spec_accept_rate": round(req.spec_accept_rate, 4), "spec_accept_histogram": req.accept_hist,
-                "finish_reason": sglang_finish(req), "e2e_latency": time.perf_counter() - t0}
+        return {
+            "id": req.request_id,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": 0,  # no prefix cache
+            "spec_verify_ct": req.verify_steps,
+            "spec_accept_length": req.accept_length,
+            "spec_accept_rate": round(req.spec_accept_rate, 4),
+            "spec_accept_histogram": req.accept_hist,
+            "spec_mean_width": round(req.mean_width, 4),  # the planner's verify widths, averaged
+            "finish_reason": sglang_finish(req),
+            "e2e_latency": time.perf_counter() - t0,
+        }
 
     if not body.stream:
         await run_all(st, batch, http)
         out = [{"text": await st.final_text(r), "output_ids": r.output_ids, "meta_info": meta(r)} for r in batch]
         return out if many else out[0]
     if many:
-        raise APIError(400, "stream with a batch of prompts or n > 1 is not supported yet: send one stream each",
-                       param=param if len(prompts) > 1 else "n")
+        raise APIError(
+            400,
+            "stream with a batch of prompts or n > 1 is not supported yet: send one stream each",
+            param=param if len(prompts) > 1 else "n",
+        )
     req = batch[0]
 
     async def events():

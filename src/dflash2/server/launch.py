@@ -1,4 +1,5 @@
 """``dflash2 serve``: flags named and meaning as in SGLang (spec section 6)."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ from pathlib import Path
 
 def add_serve_parser(sub) -> None:
     from ..entry import add_model_flags
+
     p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
     add_model_flags(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -18,9 +20,13 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (CPU default 65536)")
     p.add_argument("--mem-fraction-static", type=float, default=0.8)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--chunked-prefill-size", type=int, default=None,
-                   help="prompt tokens prefilled per engine step, so a long prompt does not stall running "
-                        "requests (-1: whole prompts; default 256 on the CPU, 2048 on CUDA)")
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=None,
+        help="prompt tokens prefilled per engine step, so a long prompt does not stall running "
+        "requests (-1: whole prompts; default 256 on the CPU, 2048 on CUDA)",
+    )
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--speculative-draft-kv-cache-dtype", default="auto")
     p.add_argument("--tp-size", "--tp", type=int, default=1)
@@ -31,17 +37,25 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--chat-template", default=None, help="a Jinja chat template (file or the template itself)")
     p.add_argument("--random-seed", type=int, default=None, help="seeds the draws of requests that give no seed")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"])
-    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                   help="graphs are captured for every batch up to --max-running-requests; a smaller value is refused")
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="graphs are captured for every batch up to --max-running-requests; a smaller value is refused",
+    )
     # SGLang flags whose job has no counterpart here: accepted, and start-up says so in one line each
     p.add_argument("--enable-metrics", action="store_true", help="/metrics is always on")
     p.add_argument("--skip-server-warmup", action="store_true", help="there is no warm-up request to skip")
     p.add_argument("--disable-radix-cache", action="store_true", help="there is no prefix cache to disable")
     p.add_argument("--mamba-full-memory-ratio", type=float, default=None)
     p.add_argument("--speculative-draft-attention-backend", default=None)
-    p.add_argument("--model-runner", default="auto", choices=["auto", "paged", "static"],
-                   help="not an SGLang flag: auto = static slots + CUDA graphs where they apply, else paged; "
-                        "static on the CPU runs the graph runner's code eagerly (tests, debugging)")
+    p.add_argument(
+        "--model-runner",
+        default="auto",
+        choices=["auto", "paged", "static"],
+        help="not an SGLang flag: auto = static slots + CUDA graphs where they apply, else paged; "
+        "static on the CPU runs the graph runner's code eagerly (tests, debugging)",
+    )
     p.set_defaults(fn=cmd_serve)
 
 
@@ -58,11 +72,15 @@ def flag_notes(args) -> list[str]:
     """One line per accepted SGLang flag that changes nothing here, saying why."""
     notes = []
     if args.mamba_full_memory_ratio is not None:
-        notes.append("--mamba-full-memory-ratio: no effect: recurrent states live per request, not in a shared "
-                     "pool sized against the KV cache")
+        notes.append(
+            "--mamba-full-memory-ratio: no effect: recurrent states live per request, not in a shared "
+            "pool sized against the KV cache"
+        )
     if args.speculative_draft_attention_backend is not None:
-        notes.append(f"--speculative-draft-attention-backend {args.speculative_draft_attention_backend}: no effect: "
-                     f"the drafter's attention is PyTorch's (SDPA / matmul)")
+        notes.append(
+            f"--speculative-draft-attention-backend {args.speculative_draft_attention_backend}: no effect: "
+            f"the drafter's attention is PyTorch's (SDPA / matmul)"
+        )
     if args.disable_radix_cache:
         notes.append("--disable-radix-cache: no effect: there is no prefix cache")
     if args.enable_metrics:
@@ -75,8 +93,10 @@ def flag_notes(args) -> list[str]:
 def check_flags(args) -> None:
     """Unsupported values are a clear start-up error."""
     if args.kv_cache_dtype != "auto" or args.speculative_draft_kv_cache_dtype != "auto":
-        raise SystemExit("--kv-cache-dtype / --speculative-draft-kv-cache-dtype: only 'auto' is supported so far "
-                         "(fp8_e4m3 KV caches are not implemented)")
+        raise SystemExit(
+            "--kv-cache-dtype / --speculative-draft-kv-cache-dtype: only 'auto' is supported so far "
+            "(fp8_e4m3 KV caches are not implemented)"
+        )
     if args.tp_size != 1:
         raise SystemExit(f"--tp-size {args.tp_size}: tensor parallelism is not implemented; use --tp-size 1")
     if args.reasoning_parser not in (None, "deepseek-r1", "qwen3", "kimi", "kimi_k2"):
@@ -88,9 +108,11 @@ def check_flags(args) -> None:
     if args.max_running_requests < 1:
         raise SystemExit(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
     if args.cuda_graph_max_bs is not None and args.cuda_graph_max_bs < args.max_running_requests:
-        raise SystemExit(f"--cuda-graph-max-bs {args.cuda_graph_max_bs} < --max-running-requests "
-                         f"{args.max_running_requests}: batches past the graphs are not run eagerly here; lower "
-                         f"--max-running-requests to {args.cuda_graph_max_bs} instead")
+        raise SystemExit(
+            f"--cuda-graph-max-bs {args.cuda_graph_max_bs} < --max-running-requests "
+            f"{args.max_running_requests}: batches past the graphs are not run eagerly here; lower "
+            f"--max-running-requests to {args.cuda_graph_max_bs} instead"
+        )
 
 
 def kv_budget_tokens(args, target) -> int:
@@ -99,6 +121,7 @@ def kv_budget_tokens(args, target) -> int:
     if args.device != "cuda":
         return 65536
     import torch
+
     free, _ = torch.cuda.mem_get_info()
     return int(free * args.mem_fraction_static / target.kv_bytes_per_token)
 
@@ -116,28 +139,49 @@ def cmd_serve(args) -> int:
         print(note, flush=True)
     if args.random_seed is not None:
         import torch
+
         torch.manual_seed(args.random_seed)  # unseeded requests draw their seeds from it
     target, draft, width = load_models(args)
     if args.chat_template:
         path = Path(args.chat_template)
         target.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
-    cfg = EngineConfig.for_models(target, draft, width, context_length=args.context_length,
-                                  max_running_requests=args.max_running_requests,
-                                  block_verification=args.speculative_use_block_verification,
-                                  max_total_tokens=kv_budget_tokens(args, target), page_size=args.page_size,
-                                  disable_cuda_graph=args.disable_cuda_graph, runner=args.model_runner,
-                                  chunked_prefill_size=args.chunked_prefill_size)
+    cfg = EngineConfig.for_models(
+        target,
+        draft,
+        width,
+        context_length=args.context_length,
+        max_running_requests=args.max_running_requests,
+        block_verification=args.speculative_use_block_verification,
+        max_total_tokens=kv_budget_tokens(args, target),
+        page_size=args.page_size,
+        disable_cuda_graph=args.disable_cuda_graph,
+        runner=args.model_runner,
+        chunked_prefill_size=args.chunked_prefill_size,
+        speculative_planner=args.speculative_planner,
+        speculative_width_schedule=args.speculative_width_schedule,
+    )
     ctx = cfg.context_length
     engine = LLMEngine(target, draft, cfg)
     engine.start()
     name = args.served_model_name or (args.model_path or "SmolLM2-135M-Instruct")
     parser = {"qwen": "hermes", "qwen25": "hermes"}.get(args.tool_call_parser, args.tool_call_parser)
-    app = create_app(engine, target.tokenizer, name, ctx, args.reasoning_parser, parser, api_key=args.api_key,
-                     server_args={k: v for k, v in vars(args).items() if k not in ("fn", "api_key")})
+    app = create_app(
+        engine,
+        target.tokenizer,
+        name,
+        ctx,
+        args.reasoning_parser,
+        parser,
+        api_key=args.api_key,
+        server_args={k: v for k, v in vars(args).items() if k not in ("fn", "api_key")},
+    )
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
     graphs = "CUDA graphs over static slots" if engine.runner.use_graph else "eager"
-    print(f"dflash2 serving {name} on http://{args.host}:{args.port} (width {engine.width}, "
-          f"{cfg.max_total_tokens} KV tokens, max {cfg.max_running_requests} running, {graphs})", flush=True)
+    print(
+        f"dflash2 serving {name} on http://{args.host}:{args.port} (width {engine.width}, "
+        f"{cfg.max_total_tokens} KV tokens, max {cfg.max_running_requests} running, {graphs})",
+        flush=True,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     engine.shutdown()
     return 0
@@ -152,11 +196,17 @@ def spawn_server(serve_args: list[str], cwd, tries: int = 240):
     import time
 
     import httpx
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "dflash2.cli", "serve", *serve_args, "--port", str(port)], cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash2.cli", "serve", *serve_args, "--port", str(port)],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(tries):
         if proc.poll() is not None:

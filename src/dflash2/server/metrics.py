@@ -1,4 +1,5 @@
 """``GET /metrics`` in Prometheus text format (prometheus_client), read from the engine at scrape time."""
+
 from __future__ import annotations
 
 import time
@@ -16,23 +17,54 @@ class _EngineCollector:
         yield GaugeMetricFamily("dflash2_num_running_reqs", "Requests running", value=len(e.scheduler.running))
         yield GaugeMetricFamily("dflash2_num_waiting_reqs", "Requests waiting", value=len(e.scheduler.waiting))
         yield CounterMetricFamily("dflash2_generation_tokens", "Tokens generated", value=s.generated_tokens)
-        yield CounterMetricFamily("dflash2_requests_completed", "Requests finished normally (stop or length)",
-                                  value=s.completed)
+        yield CounterMetricFamily(
+            "dflash2_requests_completed", "Requests finished normally (stop or length)", value=s.completed
+        )
         yield CounterMetricFamily("dflash2_requests_aborted", "Requests aborted (client gone)", value=s.aborted)
         yield CounterMetricFamily("dflash2_requests_failed", "Requests ended by an error", value=s.failed)
-        yield GaugeMetricFamily("dflash2_engine_healthy", "1 while the engine loop is stepping",
-                                value=0.0 if e.health() else 1.0)
-        yield CounterMetricFamily("dflash2_spec_verify_steps", "Verification steps (one per request per step)",
-                                  value=s.verify_steps)
+        yield GaugeMetricFamily(
+            "dflash2_engine_healthy", "1 while the engine loop is stepping", value=0.0 if e.health() else 1.0
+        )
+        yield CounterMetricFamily(
+            "dflash2_spec_verify_steps", "Verification steps (one per request per step)", value=s.verify_steps
+        )
         yield CounterMetricFamily("dflash2_preemptions", "Requests preempted", value=s.preemptions)
-        pos = CounterMetricFamily("dflash2_spec_accepted_tokens", "Draft tokens accepted, by position", labels=["position"])
+        pos = CounterMetricFamily(
+            "dflash2_spec_accepted_tokens", "Draft tokens accepted, by position", labels=["position"]
+        )
         for i, n in enumerate(s.accepted_by_position):
             pos.add_metric([str(i + 1)], n)
         yield pos
-        yield GaugeMetricFamily("dflash2_spec_accept_length", "Generated tokens per verification step",
-                                value=s.generated_tokens / s.verify_steps if s.verify_steps else 0.0)
-        yield GaugeMetricFamily("dflash2_gen_throughput", "Generated tokens per second since start",
-                                value=s.generated_tokens / max(time.perf_counter() - s.started, 1e-9))
+        yield GaugeMetricFamily(
+            "dflash2_spec_accept_length",
+            "Generated tokens per verification step",
+            value=s.generated_tokens / s.verify_steps if s.verify_steps else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "dflash2_gen_throughput",
+            "Generated tokens per second since start",
+            value=s.generated_tokens / max(time.perf_counter() - s.started, 1e-9),
+        )
+        by_width = CounterMetricFamily("dflash2_spec_steps_by_width", "Batched steps by verify width", labels=["width"])
+        for w, n in sorted(s.steps_by_width.items()):
+            by_width.add_metric([str(w)], n)
+        yield by_width
+        steps = sum(s.steps_by_width.values())
+        yield GaugeMetricFamily(
+            "dflash2_spec_mean_width",
+            "Verify width per batched step, averaged",
+            value=sum(w * n for w, n in s.steps_by_width.items()) / steps if steps else 0.0,
+        )
+        # calibration: the planner's per-draft acceptance estimate beside what the drafts did
+        yield GaugeMetricFamily(
+            "dflash2_spec_planner_alpha", "Planner's prior per-draft acceptance", value=e.planner.prior_alpha()
+        )
+        tried = s.drafts_proposed
+        yield GaugeMetricFamily(
+            "dflash2_spec_observed_accept_rate",
+            "Accepted over proposed drafts, all steps",
+            value=sum(s.accepted_by_position) / tried if tried else 0.0,
+        )
         used, total = e.pool_usage()
         yield GaugeMetricFamily("dflash2_kv_blocks_used", "KV pool blocks in use", value=used)
         yield GaugeMetricFamily("dflash2_kv_blocks_total", "KV pool blocks", value=total)

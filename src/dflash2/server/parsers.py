@@ -1,5 +1,6 @@
 """Output parsers: ``<think>`` reasoning and tool calls (Hermes JSON, Kimi-K2 section tokens),
 each usable on a whole text or incrementally on streamed deltas."""
+
 from __future__ import annotations
 
 import json
@@ -28,11 +29,11 @@ class ReasoningParser:
                     reasoning += self.buf[:i]
                 else:
                     content += self.buf[:i]
-                self.buf = self.buf[i + len(tag):]
+                self.buf = self.buf[i + len(tag) :]
                 self.in_reasoning = not self.in_reasoning
                 continue
             keep = _partial_suffix(self.buf, tag)  # hold back what may be the start of a tag
-            out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+            out, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
             if self.in_reasoning:
                 reasoning += out
             else:
@@ -86,7 +87,7 @@ class ToolCallParser:
             i = self.buf.find(self.start)
             if i < 0:
                 keep = _partial_suffix(self.buf, self.start)
-                content, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                content, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
                 return content, calls
             content, self.buf, self.in_calls = self.buf[:i], self.buf[i:], True
         calls = self._take_complete()
@@ -102,7 +103,7 @@ class ToolCallParser:
                 j = self.buf.find("</tool_call>", i + 11) if i >= 0 else -1
                 if j < 0:
                     break
-                body, self.buf = self.buf[i + 11:j].strip(), self.buf[j + 12:]
+                body, self.buf = self.buf[i + 11 : j].strip(), self.buf[j + 12 :]
                 try:
                     obj = json.loads(body)
                     calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
@@ -116,8 +117,8 @@ class ToolCallParser:
                 k = self.buf.find(end, j) if j >= 0 else -1
                 if k < 0:
                     break
-                name, args = self.buf[i + len(begin):j].strip(), self.buf[j + len(arg):k].strip()
-                self.buf = self.buf[k + len(end):]
+                name, args = self.buf[i + len(begin) : j].strip(), self.buf[j + len(arg) : k].strip()
+                self.buf = self.buf[k + len(end) :]
                 name = name.removeprefix("functions.")
                 head, _, index = name.rpartition(":")
                 if head and index.isdigit():

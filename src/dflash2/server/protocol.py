@@ -6,6 +6,7 @@ client asking for logprobs, penalties or structured output gets a 400 that says 
 answer that quietly lacks them. Numbers must be finite; strings must be valid Unicode (a lone
 surrogate cannot be tokenized). Bounds that depend on the model (token ids, context length) are
 checked where the model is known (``LLMEngine.add_request``, ``make_request``)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -37,13 +38,28 @@ def _check_text(value: Any, where: str) -> None:
 
 # field -> the values it may take while we do not implement it (its default, or an explicit no-op)
 UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
-    "response_format": (None, {"type": "text"}), "min_tokens": (None, 0), "best_of": (None, 1),
-    "echo": (None, False), "suffix": (None, ""), "min_new_tokens": (None, 0), "json_schema": (None,),
-    "regex": (None,), "ebnf": (None,), "skip_special_tokens": (None, True), "no_stop_trim": (None, False),
-    "return_logprob": (None, False), "logprob_start_len": (None, -1), "top_logprobs_num": (None, 0),
-    "return_text_in_logprobs": (None, False), "continue_final_message": (None, False),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "response_format": (None, {"type": "text"}),
+    "min_tokens": (None, 0),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "min_new_tokens": (None, 0),
+    "json_schema": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "skip_special_tokens": (None, True),
+    "no_stop_trim": (None, False),
+    "return_logprob": (None, False),
+    "logprob_start_len": (None, -1),
+    "top_logprobs_num": (None, 0),
+    "return_text_in_logprobs": (None, False),
+    "continue_final_message": (None, False),
 }
 
 
@@ -63,6 +79,7 @@ class _Base(BaseModel):
 
 class _Sampling(_Base):
     """What every endpoint's sampling takes (OpenAI names; SGLang's top_k / min_p / stop_token_ids)."""
+
     temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, le=MAX_TOP_K)
@@ -105,8 +122,8 @@ class SamplingFields(_Sampling):
 
 
 class StreamOptions(_Base):
-    include_usage: bool | None = None            # OpenAI: a last chunk with no choices and the usage
-    continuous_usage_stats: bool | None = None   # vLLM: the usage so far on every chunk
+    include_usage: bool | None = None  # OpenAI: a last chunk with no choices and the usage
+    continuous_usage_stats: bool | None = None  # vLLM: the usage so far on every chunk
 
 
 class _Streamed(_Base):
@@ -136,8 +153,10 @@ class ChatCompletionRequest(SamplingFields, _Streamed):
     @model_validator(mode="after")
     def _tool_choice(self):
         if self.tool_choice not in (None, "auto", "none"):
-            raise ValueError(f"parameter 'tool_choice' = {self.tool_choice!r} is not supported by this server "
-                             f"(only 'auto' and 'none')")
+            raise ValueError(
+                f"parameter 'tool_choice' = {self.tool_choice!r} is not supported by this server "
+                f"(only 'auto' and 'none')"
+            )
         return self
 
 
@@ -169,7 +188,7 @@ class GenerateSampling(_Sampling):
 
 
 class GenerateRequest(_Base):
-    text: str | list[str] | None = None            # one prompt, or a batch
+    text: str | list[str] | None = None  # one prompt, or a batch
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: GenerateSampling = Field(default_factory=lambda: GenerateSampling())
     stream: bool = False

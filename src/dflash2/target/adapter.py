@@ -8,6 +8,7 @@ supported kernels (KimiLinear, see recurrent.py) every verify pass records the s
 position and the accepted one is restored; other hybrids are snapshotted before the pass and,
 on a partial acceptance, restored and advanced over the accepted tokens.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,9 +29,9 @@ class UnsupportedTargetError(RuntimeError):
 @dataclass
 class TargetState:
     cache: DynamicCache
-    length: int = 0                              # committed tokens in the cache
+    length: int = 0  # committed tokens in the cache
     snapshot: dict | None = field(default=None)  # recurrent state before the pending verify pass
-    pending: tuple | None = None                 # (ids, n) of the last forward, until commit
+    pending: tuple | None = None  # (ids, n) of the last forward, until commit
     positions: recurrent.PositionRecorder | None = None  # per-position recurrent states of the last forward
 
 
@@ -44,8 +45,10 @@ def _decoder_layers(model) -> torch.nn.ModuleList:
             continue
         if isinstance(obj, torch.nn.ModuleList):
             return obj
-    raise UnsupportedTargetError(f"{type(model).__name__}: cannot find the decoder layer list "
-                                 "(looked for model.layers, backbone.layers, transformer.h)")
+    raise UnsupportedTargetError(
+        f"{type(model).__name__}: cannot find the decoder layer list "
+        "(looked for model.layers, backbone.layers, transformer.h)"
+    )
 
 
 class TargetModel:
@@ -71,8 +74,9 @@ class TargetModel:
             raise UnsupportedTargetError(f"{type(model).__name__} has no input embedding or LM head")
         self.embed, self.lm_head_weight = emb, head.weight
         types = getattr(self.config, "layer_types", None) or []
-        self.is_hybrid = any(t in ("linear_attention", "mamba", "ssm", "recurrent") for t in types) or \
-            getattr(self.config, "model_type", "") in ("mamba", "mamba2", "falcon_mamba")
+        self.is_hybrid = any(t in ("linear_attention", "mamba", "ssm", "recurrent") for t in types) or getattr(
+            self.config, "model_type", ""
+        ) in ("mamba", "mamba2", "falcon_mamba")
         # per-position states where the kernels are known; snapshot + replay otherwise
         self.per_position_states = self.is_hybrid and recurrent.install(model)
 
@@ -103,6 +107,7 @@ class TargetModel:
         import types
 
         from ..model.cpu_linear import lm_head_matmul, pack_linears
+
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return 0
         os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
@@ -121,13 +126,16 @@ class TargetModel:
             h.remove()
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
-            raise UnsupportedTargetError(f"target_layer_ids {bad} out of range: the target has {self.num_layers} layers")
+            raise UnsupportedTargetError(
+                f"target_layer_ids {bad} out of range: the target has {self.num_layers} layers"
+            )
         self.layer_ids = list(layer_ids)
         self._hooks = [self.layers[i].register_forward_hook(self._make_hook(i)) for i in self.layer_ids]
 
     def _make_hook(self, idx: int):
         def hook(_module, _inputs, output):
             self._captured[idx] = output[0] if isinstance(output, (tuple, list)) else output
+
         return hook
 
     # ---- state ------------------------------------------------------------------------------
@@ -139,8 +147,9 @@ class TargetModel:
         return TargetState(cache=cache)
 
     @torch.no_grad()
-    def forward(self, state: TargetState, input_ids: torch.Tensor,
-                logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, state: TargetState, input_ids: torch.Tensor, logits_to_keep: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``input_ids [L]`` after the committed tokens. Returns logits ``[L, V]`` (float32; only
         the last ``logits_to_keep`` rows when given: a prefill needs one row, not a vocabulary per token)
         and the concatenated hooked features ``[L, K*H]``. Tokens are appended to the cache as
@@ -153,27 +162,44 @@ class TargetModel:
         pos = torch.arange(state.length, state.length + L, device=self.device)[None]
         self._captured.clear()
         with state.positions or contextlib.nullcontext():
-            out = self.model(input_ids=input_ids.view(1, L).to(self.device), position_ids=pos,
-                             use_cache=True, **{self._cache_kw: state.cache}, **self._keep_kw(logits_to_keep))
-        feats = torch.cat([self._captured[i][0] for i in self.layer_ids], -1) if self.layer_ids else \
-            torch.empty(L, 0, device=self.device)
+            out = self.model(
+                input_ids=input_ids.view(1, L).to(self.device),
+                position_ids=pos,
+                use_cache=True,
+                **{self._cache_kw: state.cache},
+                **self._keep_kw(logits_to_keep),
+            )
+        feats = (
+            torch.cat([self._captured[i][0] for i in self.layer_ids], -1)
+            if self.layer_ids
+            else torch.empty(L, 0, device=self.device)
+        )
         state.pending = (input_ids.view(-1), L)
         state.length += L
         return out.logits[0].float(), feats
 
     @torch.no_grad()
-    def batched_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                        position_ids: torch.Tensor | None = None, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def batched_forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One Hugging Face forward over ``input_ids [B, L]`` (with an optional cache that it extends,
         and a padding mask): logits ``[B, L, V]`` (in the model's dtype) and the hooked features ``[B, L, K*H]``
         (``[B, L, 0]`` with no layer ids). The paged runner's verify and the trainer's teacher use it."""
         self._captured.clear()
         kw = {self._cache_kw: cache, "use_cache": True} if cache is not None else {"use_cache": False}
-        out = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask, position_ids=position_ids,
-                         **kw)
+        out = self.model(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask, position_ids=position_ids, **kw
+        )
         B, L = input_ids.shape
-        feats = torch.cat([self._captured[i] for i in self.layer_ids], -1) if self.layer_ids else \
-            torch.empty(B, L, 0, device=self.device)
+        feats = (
+            torch.cat([self._captured[i] for i in self.layer_ids], -1)
+            if self.layer_ids
+            else torch.empty(B, L, 0, device=self.device)
+        )
         return out.logits, feats
 
     def _keep_kw(self, n: int) -> dict:
@@ -213,13 +239,15 @@ class TargetModel:
     def _snapshot(self, state: TargetState) -> list:
         snap = []
         for layer in self._linear_layers(state):
-            snap.append({
-                "conv": {k: (v.clone() if v is not None else None) for k, v in layer.conv_states.items()},
-                "rec": {k: (v.clone() if v is not None else None) for k, v in layer.recurrent_states.items()},
-                "has_prev": dict(layer.has_previous_state),
-                "conv_init": dict(layer.is_conv_states_initialized),
-                "rec_init": dict(layer.is_recurrent_states_initialized),
-            })
+            snap.append(
+                {
+                    "conv": {k: (v.clone() if v is not None else None) for k, v in layer.conv_states.items()},
+                    "rec": {k: (v.clone() if v is not None else None) for k, v in layer.recurrent_states.items()},
+                    "has_prev": dict(layer.has_previous_state),
+                    "conv_init": dict(layer.is_conv_states_initialized),
+                    "rec_init": dict(layer.is_recurrent_states_initialized),
+                }
+            )
         return snap
 
     def _restore(self, state: TargetState, snap: list) -> None:

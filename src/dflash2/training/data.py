@@ -3,6 +3,7 @@
 Evaluation prompts (GSM8K test) never enter. Responses are generated in large batches and
 saved as token ids with the prompt length, which defines the loss mask (prompt masked).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,13 +23,16 @@ def gsm8k_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     return [f"{r['question']}\n{GSM8K_SUFFIX}" for r in rows[:limit]]
 
 
-def without_eval_prompts(prompts: list[str], eval_path: str | Path = SHARED / "data" / "gsm8k" / "test.jsonl"
-                         ) -> tuple[list[str], int]:
+def without_eval_prompts(
+    prompts: list[str], eval_path: str | Path = SHARED / "data" / "gsm8k" / "test.jsonl"
+) -> tuple[list[str], int]:
     """``prompts`` minus any GSM8K test question (with or without the suffix), and how many were
     dropped: evaluation prompts never enter training data, even from a wrong ``--gsm8k-path``."""
     if not Path(eval_path).is_file():
         return prompts, 0
-    held_out = {json.loads(line)["question"].strip() for line in Path(eval_path).read_text().splitlines() if line.strip()}
+    held_out = {
+        json.loads(line)["question"].strip() for line in Path(eval_path).read_text().splitlines() if line.strip()
+    }
     kept = [p for p in prompts if p.removesuffix(GSM8K_SUFFIX).strip() not in held_out]
     return kept, len(prompts) - len(kept)
 
@@ -58,14 +62,23 @@ def sharegpt_prompts(limit: int, max_chars: int = 1500, seed: int = 0) -> list[s
 
 
 def render(tokenizer, user_text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], add_generation_prompt=True,
-                                        tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user_text}], add_generation_prompt=True, tokenize=True
+    )
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 @torch.no_grad()
-def generate_responses(model, tokenizer, prompts: list[str], batch_size: int = 256, max_new_tokens: int = 384,
-                       temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> list[dict]:
+def generate_responses(
+    model,
+    tokenizer,
+    prompts: list[str],
+    batch_size: int = 256,
+    max_new_tokens: int = 384,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> list[dict]:
     """Answer every prompt with the target (left-padded batches). Returns ``{ids, prompt_len}``."""
     torch.manual_seed(seed)
     device = next(model.parameters()).device
@@ -75,20 +88,28 @@ def generate_responses(model, tokenizer, prompts: list[str], batch_size: int = 2
     encoded = [render(tokenizer, p) for p in prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths per batch
     for s in tqdm(range(0, len(order), batch_size), desc=f"generate T={temperature}"):
-        idx = order[s:s + batch_size]
+        idx = order[s : s + batch_size]
         L = max(len(encoded[i]) for i in idx)
         ids = torch.full((len(idx), L), pad, dtype=torch.long)
         att = torch.zeros((len(idx), L), dtype=torch.long)
         for r, i in enumerate(idx):
-            ids[r, L - len(encoded[i]):] = torch.tensor(encoded[i]); att[r, L - len(encoded[i]):] = 1
+            ids[r, L - len(encoded[i]) :] = torch.tensor(encoded[i])
+            att[r, L - len(encoded[i]) :] = 1
         kw = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
-        out = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), max_new_tokens=max_new_tokens,
-                             pad_token_id=pad, **kw)[:, L:].cpu()
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=att.to(device),
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad,
+            **kw,
+        )[:, L:].cpu()
         eos_set = set(eos) if isinstance(eos, (list, tuple)) else {eos}
         for r, i in enumerate(idx):
             resp = out[r].tolist()
             cut = next((j + 1 for j, t in enumerate(resp) if t in eos_set), len(resp))
-            rows.append({"ids": torch.tensor(encoded[i] + resp[:cut], dtype=torch.int32), "prompt_len": len(encoded[i])})
+            rows.append(
+                {"ids": torch.tensor(encoded[i] + resp[:cut], dtype=torch.int32), "prompt_len": len(encoded[i])}
+            )
     return rows
 
 
@@ -120,5 +141,5 @@ class TokenDataset:
             n = min(T, len(s["ids"]))
             ids[b, :n] = s["ids"][:n].long()
             valid[b, :n] = True
-            loss_mask[b, s["prompt_len"]:n] = True
+            loss_mask[b, s["prompt_len"] : n] = True
         return ids, loss_mask, valid

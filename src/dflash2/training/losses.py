@@ -5,6 +5,7 @@ context is the target features of positions ``< a``. Loss = decay-weighted cross
 through the frozen LM head on slots 1..w-1, plus the selector loss (cross-entropy over the
 slot's top-k candidates scored with the true predecessor, where the true token is a candidate).
 """
+
 from __future__ import annotations
 
 import math
@@ -18,27 +19,34 @@ from ..model import DFlash2DraftModel, build_block_mask
 
 @dataclass
 class Blocks:
-    block_ids: torch.Tensor   # [B, N, w] anchor token then MASK ids
-    positions: torch.Tensor   # [B, N, w]
-    labels: torch.Tensor      # [B, N, w-1] true tokens of slots 1..w-1
-    weights: torch.Tensor     # [B, N, w-1] decay x loss mask (0 = no loss)
-    anchors: torch.Tensor     # [B, N]
+    block_ids: torch.Tensor  # [B, N, w] anchor token then MASK ids
+    positions: torch.Tensor  # [B, N, w]
+    labels: torch.Tensor  # [B, N, w-1] true tokens of slots 1..w-1
+    weights: torch.Tensor  # [B, N, w-1] decay x loss mask (0 = no loss)
+    anchors: torch.Tensor  # [B, N]
 
 
-def sample_blocks(ids: torch.Tensor, loss_mask: torch.Tensor, num_anchors: int, width: int,
-                  mask_token_id: int, gamma: float, generator: torch.Generator | None = None) -> Blocks:
+def sample_blocks(
+    ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    width: int,
+    mask_token_id: int,
+    gamma: float,
+    generator: torch.Generator | None = None,
+) -> Blocks:
     B, T = ids.shape
     device = ids.device
     # an anchor needs at least one context row and a response token right after it
     ok = torch.zeros_like(loss_mask)
-    ok[:, 1:T - 1] = loss_mask[:, 2:T]
+    ok[:, 1 : T - 1] = loss_mask[:, 2:T]
     scores = torch.rand(B, T, generator=generator, device="cpu").to(device)
     scores = torch.where(ok, scores, torch.full_like(scores, -1.0))
     top = scores.topk(min(num_anchors, T), dim=1)
     anchors = top.indices  # [B, N]
     has = top.values >= 0
     offs = torch.arange(width, device=device)
-    positions = anchors[..., None] + offs                                 # [B, N, w]
+    positions = anchors[..., None] + offs  # [B, N, w]
     lab_pos = positions[..., 1:].clamp(max=T - 1)
     labels = ids.gather(1, lab_pos.flatten(1)).view(B, -1, width - 1)
     decay = torch.exp(-(offs[1:] - 1).float() / gamma)
@@ -61,10 +69,18 @@ class LossOutput:
     selector_kl: torch.Tensor | None = None
 
 
-def draft_loss(draft: DFlash2DraftModel, features: torch.Tensor, valid: torch.Tensor, blocks: Blocks,
-               embed: torch.nn.Module, lm_head_weight: torch.Tensor, selector_weight: float = 1.0,
-               target_logits: torch.Tensor | None = None, kl_weight: float = 0.0,
-               selector_kl_weight: float = 0.0) -> LossOutput:
+def draft_loss(
+    draft: DFlash2DraftModel,
+    features: torch.Tensor,
+    valid: torch.Tensor,
+    blocks: Blocks,
+    embed: torch.nn.Module,
+    lm_head_weight: torch.Tensor,
+    selector_weight: float = 1.0,
+    target_logits: torch.Tensor | None = None,
+    kl_weight: float = 0.0,
+    selector_kl_weight: float = 0.0,
+) -> LossOutput:
     """``target_logits [B, N, w-1, V]``: the target's own next-token logits at each slot's label
     position; with ``kl_weight > 0`` the loss adds KL(p_target || q_draft) at temperature 1, a
     distillation term beyond the spec's recipe that teaches the whole distribution (what sampled
@@ -86,7 +102,7 @@ def draft_loss(draft: DFlash2DraftModel, features: torch.Tensor, valid: torch.Te
     with torch.no_grad():
         emb = embed(blocks.block_ids.view(B, N * w))
     hidden = draft(emb, q_pos, ctx_lat, mask, w).view(B, N, w, -1)[:, :, 1:]
-    logits = draft.compute_logits(hidden, lm_head_weight)               # [B, N, w-1, V] fp32
+    logits = draft.compute_logits(hidden, lm_head_weight)  # [B, N, w-1, V] fp32
     wsum = blocks.weights.sum().clamp_min(1e-6)
     ce_tok = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none")
     ce = (ce_tok * blocks.weights.flatten()).sum() / wsum
@@ -95,9 +111,9 @@ def draft_loss(draft: DFlash2DraftModel, features: torch.Tensor, valid: torch.Te
         kl = distill_kl(logits, target_logits, blocks.weights)
     # selector: candidates from the (detached) slot logits, scored with the true predecessor
     sel = draft.candidate_selector
-    U, cand = sel.candidates(logits.detach())                            # [B, N, w-1, k]
+    U, cand = sel.candidates(logits.detach())  # [B, N, w-1, k]
     pred = torch.cat([blocks.block_ids[..., :1], blocks.labels[..., :-1]], dim=-1)
-    W = sel.pair_weights(hidden, cand)                                   # [B, N, w-1, k, r]
+    W = sel.pair_weights(hidden, cand)  # [B, N, w-1, k, r]
     S = U + torch.einsum("bnskr,bnsr->bnsk", W, sel.predecessor_codebook[pred].float())
     hit = cand == blocks.labels[..., None]
     present = hit.any(-1)
@@ -123,8 +139,9 @@ def distill_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, weights:
     return (kl_tok * weights).sum() / weights.sum().clamp_min(1e-6)
 
 
-def selector_distill(scores: torch.Tensor, cand: torch.Tensor, target_logits: torch.Tensor,
-                     weights: torch.Tensor) -> torch.Tensor:
+def selector_distill(
+    scores: torch.Tensor, cand: torch.Tensor, target_logits: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
     """Weighted mean over slots of KL(p_target | candidates || softmax(scores)): ``scores`` and
     ``cand`` ``[..., k]``; p_target at temperature 1, restricted to the candidates and renormalised
     (the best any distribution over these k tokens can do is match it there)."""

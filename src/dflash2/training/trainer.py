@@ -1,4 +1,5 @@
 """``dflash2 train``: fit a DFlash2 drafter to a frozen target on the target's own answers."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,8 @@ from .losses import draft_loss, lr_at, sample_blocks
 class TrainConfig:
     data: str
     output_dir: str
-    draft_config: str | dict            # a config.json path, or the dict itself (target fields filled in)
-    target_path: str | None = None      # None: the default target
+    draft_config: str | dict  # a config.json path, or the dict itself (target fields filled in)
+    target_path: str | None = None  # None: the default target
     steps: int = 1000
     batch_size: int = 16
     max_len: int = 768
@@ -35,9 +36,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: float = 7.0
     selector_weight: float = 1.0
-    kl_weight: float = 0.0              # > 0: add KL(p_target || q_draft) distillation (beyond spec section 7)
-    selector_kl_weight: float = 0.0     # > 0: the same for the selector's distribution over its candidates
-    init_from: str | None = None        # start from these draft weights (a published-layout folder)
+    kl_weight: float = 0.0  # > 0: add KL(p_target || q_draft) distillation (beyond spec section 7)
+    selector_kl_weight: float = 0.0  # > 0: the same for the selector's distribution over its candidates
+    init_from: str | None = None  # start from these draft weights (a published-layout folder)
     seed: int = 0
     device: str = "cpu"
     save_every: int = 500
@@ -46,7 +47,7 @@ class TrainConfig:
     eval_max_new_tokens: int = 96
     heldout_fraction: float = 0.01
     resume: bool = False
-    time_limit_s: float | None = None   # stop (and save) after this much wall time
+    time_limit_s: float | None = None  # stop (and save) after this much wall time
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -75,9 +76,11 @@ def heldout_acceptance(target, draft, rows, width: int, max_new_tokens: int) -> 
     C = V = 0
     for r in rows:
         prop = DFlashProposer(draft, target.embed, target.lm_head_weight)
-        res = speculative_generate(target, prop, r["ids"][: r["prompt_len"]].long(),
-                                   SamplingParams(max_new_tokens=max_new_tokens), width=width)
-        C += res.completion_tokens; V += res.verify_steps
+        res = speculative_generate(
+            target, prop, r["ids"][: r["prompt_len"]].long(), SamplingParams(max_new_tokens=max_new_tokens), width=width
+        )
+        C += res.completion_tokens
+        V += res.verify_steps
     return C / max(V, 1)
 
 
@@ -123,7 +126,9 @@ def train(tc: TrainConfig, target=None) -> dict:
     opt = torch.optim.AdamW(draft.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     step = 0
     if state is not None:
-        opt.load_state_dict(state["optimizer"]); step = state["step"]; rng.setstate(state["rng"])
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+        rng.setstate(state["rng"])
     pad = int(cfg.mask_token_id)
     width = cfg.block_size
     history: list[dict] = []
@@ -134,14 +139,16 @@ def train(tc: TrainConfig, target=None) -> dict:
     while step < tc.steps:
         if len(order) < tc.batch_size:
             order += rng.sample(train_idx, len(train_idx))
-        batch, order = order[:tc.batch_size], order[tc.batch_size:]
+        batch, order = order[: tc.batch_size], order[tc.batch_size :]
         ids, loss_mask, valid = data.batch(batch, tc.max_len, pad)
         ids, loss_mask, valid = ids.to(device), loss_mask.to(device), valid.to(device)
         with torch.no_grad():
             t_logits, feats = target.batched_forward(ids, valid.long())
         blocks = sample_blocks(ids, loss_mask, tc.anchors_per_seq, width, cfg.mask_token_id, tc.gamma)
         tgt_logits = None
-        if tc.kl_weight > 0 or tc.selector_kl_weight > 0:  # row t of the target's logits predicts token t+1: slot k's label sits at a+k
+        if (
+            tc.kl_weight > 0 or tc.selector_kl_weight > 0
+        ):  # row t of the target's logits predicts token t+1: slot k's label sits at a+k
             rows = (blocks.positions[..., :-1]).clamp(max=ids.shape[1] - 1).flatten(1)
             tgt_logits = t_logits[torch.arange(ids.shape[0], device=device)[:, None], rows]
             tgt_logits = tgt_logits.view(*blocks.labels.shape, -1)
@@ -149,27 +156,48 @@ def train(tc: TrainConfig, target=None) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tc.steps, tc.warmup, tc.lr, tc.min_lr_ratio)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
-            lo = draft_loss(draft, feats, valid, blocks, target.embed, target.lm_head_weight, tc.selector_weight,
-                            tgt_logits, tc.kl_weight, tc.selector_kl_weight)
+            lo = draft_loss(
+                draft,
+                feats,
+                valid,
+                blocks,
+                target.embed,
+                target.lm_head_weight,
+                tc.selector_weight,
+                tgt_logits,
+                tc.kl_weight,
+                tc.selector_kl_weight,
+            )
         opt.zero_grad(set_to_none=True)
         lo.loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), tc.grad_clip)
         opt.step()
         step += 1
         tokens_seen += int(valid.sum())
-        rec = {"step": step, "loss": lo.loss.item(), "ce": lo.ce.item(), "selector": lo.selector.item(),
-               "kl": lo.kl.item() if lo.kl is not None else 0.0,
-               "selector_kl": lo.selector_kl.item() if lo.selector_kl is not None else 0.0,
-               "top1": lo.top1_acc, "recall": lo.cand_recall, "grad_norm": float(gnorm)}
+        rec = {
+            "step": step,
+            "loss": lo.loss.item(),
+            "ce": lo.ce.item(),
+            "selector": lo.selector.item(),
+            "kl": lo.kl.item() if lo.kl is not None else 0.0,
+            "selector_kl": lo.selector_kl.item() if lo.selector_kl is not None else 0.0,
+            "top1": lo.top1_acc,
+            "recall": lo.cand_recall,
+            "grad_norm": float(gnorm),
+        }
         history.append(rec)
         elapsed = time.perf_counter() - t_start
-        bar.set_postfix(loss=f"{rec['loss']:.3f}", top1=f"{rec['top1']:.3f}", recall=f"{rec['recall']:.3f}",
-                        tok_s=f"{tokens_seen / elapsed:.0f}")
+        bar.set_postfix(
+            loss=f"{rec['loss']:.3f}",
+            top1=f"{rec['top1']:.3f}",
+            recall=f"{rec['recall']:.3f}",
+            tok_s=f"{tokens_seen / elapsed:.0f}",
+        )
         bar.update(1)
         last = step == tc.steps or (tc.time_limit_s and elapsed > tc.time_limit_s)
         if tc.eval_every and (step % tc.eval_every == 0 or last):
             draft.eval()
-            al = heldout_acceptance(target, draft, held[:tc.eval_prompts], width, tc.eval_max_new_tokens)
+            al = heldout_acceptance(target, draft, held[: tc.eval_prompts], width, tc.eval_max_new_tokens)
             draft.train()
             rec["heldout_accept_length"] = al
             tqdm.write(f"step {step}: held-out acceptance length {al:.3f} (width {width}, greedy)")

@@ -1,5 +1,12 @@
 from ..sampling import SamplingParams, probs_from_logits, sample_from_probs
 from .verifiers import VerifyResult, block_verify, greedy_verify, token_level_verify
 
-__all__ = ["SamplingParams", "probs_from_logits", "sample_from_probs", "VerifyResult",
-           "greedy_verify", "token_level_verify", "block_verify"]
+__all__ = [
+    "SamplingParams",
+    "probs_from_logits",
+    "sample_from_probs",
+    "VerifyResult",
+    "greedy_verify",
+    "token_level_verify",
+    "block_verify",
+]

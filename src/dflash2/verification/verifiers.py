@@ -9,6 +9,7 @@ A ``q_draft`` row that is not a distribution (a NaN or inf from a broken drafter
 trusted: the sampled verifiers treat it as a rejection and emit from ``p_target`` itself, so a
 bad drafter can only cost speed, never change the output's distribution.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from ..sampling import sample_from_probs
 @dataclass
 class VerifyResult:
     num_accepted: torch.Tensor  # [B] drafts accepted (0..g)
-    tokens: torch.Tensor        # [B, g+1] accepted drafts then the emitted token; -1 after that
+    tokens: torch.Tensor  # [B, g+1] accepted drafts then the emitted token; -1 after that
 
     def row(self, b: int) -> list[int]:
         return self.tokens[b, : int(self.num_accepted[b]) + 1].tolist()
@@ -60,8 +61,13 @@ def _residual_sample(p_rows: torch.Tensor, residual: torch.Tensor, uniforms: tor
     return sample_from_probs(torch.where(empty, p_rows, residual), uniforms)
 
 
-def token_level_verify(draft_tokens: torch.Tensor, q_draft: torch.Tensor, p_target: torch.Tensor,
-                       accept_uniforms: torch.Tensor, emit_uniforms: torch.Tensor) -> VerifyResult:
+def token_level_verify(
+    draft_tokens: torch.Tensor,
+    q_draft: torch.Tensor,
+    p_target: torch.Tensor,
+    accept_uniforms: torch.Tensor,
+    emit_uniforms: torch.Tensor,
+) -> VerifyResult:
     """Leviathan/Chen rejection sampling: accept ``x_i`` while ``u_i * q_i(x_i) < p_i(x_i)``;
     at the first rejection emit from ``norm(max(p_i - q_i, 0))``; after a full block, from ``p_{g+1}``.
     A bad ``q_draft`` row (see :func:`_bad_q`) stops acceptance there and emits from ``p_i``: exact,
@@ -74,15 +80,22 @@ def token_level_verify(draft_tokens: torch.Tensor, q_draft: torch.Tensor, p_targ
     n = _first_false((accept_uniforms * qx < px) & good)
     rows = torch.arange(B, device=draft_tokens.device)
     p_n = p_target[rows, n].float()
-    q_n = torch.cat([q_draft, q_draft.new_zeros(B, 1, p_target.shape[-1])], dim=1)[rows, n].float()  # zero after a full block
+    q_n = torch.cat([q_draft, q_draft.new_zeros(B, 1, p_target.shape[-1])], dim=1)[
+        rows, n
+    ].float()  # zero after a full block
     stopped_by_bad = torch.cat([~good, good.new_zeros(B, 1)], dim=1)[rows, n]
     q_n = torch.where(stopped_by_bad[:, None], torch.zeros_like(q_n), q_n)
     bonus = _residual_sample(p_n, (p_n - q_n).clamp_min(0), emit_uniforms)
     return _assemble(draft_tokens, n, bonus)
 
 
-def block_verify(draft_tokens: torch.Tensor, q_draft: torch.Tensor, p_target: torch.Tensor,
-                 accept_uniforms: torch.Tensor, emit_uniforms: torch.Tensor) -> VerifyResult:
+def block_verify(
+    draft_tokens: torch.Tensor,
+    q_draft: torch.Tensor,
+    p_target: torch.Tensor,
+    accept_uniforms: torch.Tensor,
+    emit_uniforms: torch.Tensor,
+) -> VerifyResult:
     """Block verification (Sun et al., ICLR 2025), spec section 4. No early stop: ``tau`` is the
     largest ``i`` with ``u_i <= h_i``. A row with any bad ``q_draft`` entry (see :func:`_bad_q`)
     accepts nothing and emits from ``p_0`` (exact when, as with broken weights, the badness does not
@@ -95,18 +108,19 @@ def block_verify(draft_tokens: torch.Tensor, q_draft: torch.Tensor, p_target: to
     px = p_t[:, :g].gather(-1, x).squeeze(-1)
     qx = q_d.gather(-1, x).squeeze(-1)
     ratio = torch.where(qx > 0, px / qx.clamp_min(1e-30), torch.zeros_like(px))
-    weights = [torch.ones(B, device=p_t.device)]                    # P_0 .. P_g
+    weights = [torch.ones(B, device=p_t.device)]  # P_0 .. P_g
     for i in range(g):
         weights.append(torch.clamp(weights[-1] * ratio[:, i], max=1.0))
-    P = torch.stack(weights, dim=1)                                  # [B, g+1]
+    P = torch.stack(weights, dim=1)  # [B, g+1]
     # R_i for i = 0..g-1 uses rows i of p_target / q_draft (the distributions of token i+1)
-    R = (P[:, :g, None] * p_t[:, :g] - q_d).clamp_min(0).sum(-1)     # [B, g]
+    R = (P[:, :g, None] * p_t[:, :g] - q_d).clamp_min(0).sum(-1)  # [B, g]
     denom = R + 1 - P[:, :g]
     h = torch.where(denom > 0, R / denom.clamp_min(1e-30), torch.ones_like(R))
-    h = torch.cat([h[:, 1:], P[:, g:]], dim=1)                       # h_1..h_{g-1}, h_g = P_g
-    passed = accept_uniforms <= h                                    # [B, g] for i = 1..g
+    h = torch.cat([h[:, 1:], P[:, g:]], dim=1)  # h_1..h_{g-1}, h_g = P_g
+    passed = accept_uniforms <= h  # [B, g] for i = 1..g
     idx = torch.arange(1, g + 1, device=p_t.device)
-    tau = torch.where(bad_row, 0, (passed * idx).amax(dim=1))        # largest passing i, 0 if none
+    # largest passing i, 0 if none (a 0 column keeps a block of no drafts, g = 0, well defined)
+    tau = torch.where(bad_row, 0, torch.cat([passed * idx, passed.new_zeros(B, 1)], dim=1).amax(dim=1))
     rows = torch.arange(B, device=p_t.device)
     p_next = p_t[rows, tau]
     q_next = torch.cat([q_d, q_d.new_zeros(B, 1, p_t.shape[-1])], dim=1)[rows, tau]

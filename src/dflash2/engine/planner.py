@@ -1,0 +1,183 @@
+"""Adaptive speculation: each step, the verify width that maximises expected committed tokens per
+second of step time, 1 (the target alone: no draft forward at all) included. Lossless whatever it
+picks: every step is a complete speculative step at its width.
+
+- Step cost per (batch bucket, width): a profile measured at start-up (the graph runner's replays)
+  or injected, then an online average of the steps actually run, so host overhead counts too.
+- Acceptance per request: the probability that each next draft is accepted, an exponentially
+  weighted count of accepted / tried drafts with a prior from every request's (cold start: the
+  prior is optimistic, so new traffic verifies full blocks until the counts say otherwise).
+  Expected committed tokens at width ``w``: ``sum_{i < w} alpha^i``.
+- Decisions are keyed on the decode requests only (prefills do not count), switch only when the
+  other width is ``hysteresis`` better, and a long run at width 1 is broken by one full-width probe
+  every ``probe_every`` steps (width 1 observes no acceptance, so the estimate would freeze).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MODES = ("auto", "off")
+
+
+def parse_schedule(text: str | None, width: int) -> tuple[tuple[int, int], ...]:
+    """``"8:8,32:5"`` -> ((8, 8), (32, 5)): up to 8 decode requests width 8, up to 32 width 5, more:
+    width 1 (TensorRT-LLM's ``draft_len_schedule``). Widths must be 1 or the engine's width."""
+    if not text:
+        return ()
+    pairs = []
+    for part in text.split(","):
+        try:
+            b, w = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise ValueError(f"--speculative-width-schedule: {part!r} is not BATCH:WIDTH") from None
+        if b < 1 or w not in (1, width):
+            raise ValueError(
+                f"--speculative-width-schedule: {part!r}: batch >= 1 and width 1 or {width} "
+                f"(the verify widths the runner has)"
+            )
+        pairs.append((b, w))
+    return tuple(sorted(pairs))
+
+
+@dataclass
+class PlannerConfig:
+    mode: str = "auto"  # auto: plan each step; off: always the full width
+    schedule: tuple[tuple[int, int], ...] = ()  # pinned (max batch, width) pairs; overrides auto
+    hysteresis: float = 0.05  # the other width must promise this much more tokens/s
+    probe_every: int = 32  # width-1 steps between full-width probes
+    prior: float = 0.9  # per-draft acceptance before anything is observed
+    prior_weight: float = 2.0  # pseudo-drafts of the prior in a request's estimate
+    decay: float = 0.9  # per step, on a request's counts (recent steps matter most)
+    cost_decay: float = 0.8  # weight of the old average when a step's time comes in
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"--speculative-planner must be one of {MODES}, got {self.mode!r}")
+        for name in ("hysteresis", "prior", "decay", "cost_decay"):
+            v = getattr(self, name)
+            if not 0 <= v < 1 + (name == "hysteresis") * 9:
+                raise ValueError(f"planner {name} out of range: {v}")
+
+
+@dataclass
+class _Counts:
+    accepted: float = 0.0
+    tried: float = 0.0
+
+
+@dataclass
+class Planner:
+    width: int  # the full width (the runner's)
+    cfg: PlannerConfig = field(default_factory=PlannerConfig)
+    costs: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, width) -> seconds
+    current: int = 0  # the width of the last step (0: none yet)
+    since_probe: int = 0
+    counts: dict[str, _Counts] = field(default_factory=dict)  # per request id
+    total: _Counts = field(default_factory=_Counts)  # every request's, for the prior
+
+    @property
+    def adapts(self) -> bool:
+        """Whether widths are chosen from costs and acceptance (not fixed, not pinned)."""
+        return self.width > 1 and self.cfg.mode == "auto" and not self.cfg.schedule
+
+    def can_pick(self, width: int) -> bool:
+        if width == self.width:
+            return True
+        if self.cfg.schedule:
+            return any(w == width for _, w in self.cfg.schedule) or width == 1
+        return self.adapts and width == 1
+
+    # ---- estimates -------------------------------------------------------------------------------
+    def prior_alpha(self) -> float:
+        t, c = self.total, self.cfg
+        return (t.accepted + c.prior * 10 * c.prior_weight) / (t.tried + 10 * c.prior_weight)
+
+    def alpha(self, rid: str) -> float:
+        c, k = self.counts.get(rid, _Counts()), self.cfg.prior_weight
+        return (c.accepted + k * self.prior_alpha()) / (c.tried + k)
+
+    def expected_tokens(self, rids: list[str], width: int) -> float:
+        """Expected committed tokens of one step at ``width`` (accepted drafts + the emitted token)."""
+        out = 0.0
+        for rid in rids:
+            a = min(self.alpha(rid), 1 - 1e-9)
+            out += (1 - a**width) / (1 - a)
+        return out
+
+    # ---- the decision ----------------------------------------------------------------------------
+    def choose(self, rids: list[str], bucket: int) -> int:
+        """The width of the next step for these decode requests (``bucket``: the runner's batch bucket)."""
+        W, cfg = self.width, self.cfg
+        if W == 1 or cfg.mode == "off":
+            return W
+        if cfg.schedule:
+            return next((w for b, w in cfg.schedule if len(rids) <= b), 1)
+        full, plain = self.costs.get((bucket, W)), self.costs.get((bucket, 1))
+        if full is None:  # cold start: full blocks (and their cost and acceptance are learned)
+            return W
+        if plain is None:  # try width 1 once at this batch size, to learn what it costs
+            return 1
+        if self.current == 1 and self.since_probe >= cfg.probe_every:
+            return W  # one probe keeps the acceptance estimate fresh
+        rate = {w: self.expected_tokens(rids, w) / self.costs[(bucket, w)] for w in (1, W)}
+        keep = self.current if self.current in rate else W
+        other = 1 if keep == W else W
+        return other if rate[other] > rate[keep] * (1 + cfg.hysteresis) else keep
+
+    def observe(self, rids: list[str], accepted: list[int], width: int, bucket: int, seconds: float) -> None:
+        """One step's outcome: each request's accepted drafts, and the step's wall time."""
+        key, d = (bucket, width), self.cfg.cost_decay
+        self.costs[key] = seconds if key not in self.costs else d * self.costs[key] + (1 - d) * seconds
+        self.since_probe = self.since_probe + 1 if width == 1 else 0
+        self.current = width
+        g = width - 1
+        if g == 0:
+            return
+        for rid, n in zip(rids, accepted):
+            c = self.counts.setdefault(rid, _Counts())
+            tried = n + (n < g)  # drafts accepted, plus the one rejected (none when the block was accepted whole)
+            c.accepted, c.tried = self.cfg.decay * c.accepted + n, self.cfg.decay * c.tried + tried
+            self.total.accepted, self.total.tried = 0.99 * self.total.accepted + n, 0.99 * self.total.tried + tried
+
+    def forget(self, rid: str) -> None:
+        self.counts.pop(rid, None)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("DFLASH2_CACHE", Path.home() / ".cache" / "dflash2")) / "step_costs"
+
+
+def cached_profile(runner, target, draft) -> dict[tuple[int, int], float]:
+    """``runner.profile()``, kept on disk per (target, drafter, device, dtype, buckets, widths), so a
+    restart does not profile again."""
+    import torch
+
+    dev = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
+    ident = {
+        "target": target.config.to_dict() if hasattr(target.config, "to_dict") else str(target.config),
+        "draft": draft.config.to_dict() if draft is not None and hasattr(draft.config, "to_dict") else None,
+        "device": dev,
+        "dtype": str(target.dtype),
+        "buckets": list(runner.buckets),
+        "widths": list(runner.verify_widths),
+        "kv": runner.kv_buckets[0],
+        "graphs": runner.use_graph,
+    }
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    path = _cache_dir() / f"{key}.json"
+    try:
+        return {(int(b), int(w)): float(t) for b, w, t in json.loads(path.read_text())["costs"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    costs = runner.profile()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"ident": ident, "costs": [[b, w, t] for (b, w), t in costs.items()]}, default=str))
+    except OSError:  # a read-only home: profile again next time
+        pass
+    return costs

@@ -1,0 +1,218 @@
+"""Adaptive speculation: the planner as a pure function of step costs and acceptance, then in the
+engine: width 1 skips the draft forward, and output stays the target's (greedy equal, sampled
+distribution exact) while the width changes from step to step."""
+
+import random
+import warnings
+
+import pytest
+import torch
+
+from targets import VOCAB, build, sharp_v8_llama, tiny_config
+from test_hardening import _chi2_ok
+from test_speculative import hf_greedy, random_draft
+from dflash2.engine.engine import EngineConfig, LLMEngine
+from dflash2.engine.planner import Planner, PlannerConfig, parse_schedule
+from dflash2.engine.request import Request
+from dflash2.model import DFlash2DraftModel
+from dflash2.sampling import SamplingParams, probs_from_logits
+from dflash2.target import TargetModel
+
+warnings.filterwarnings("ignore")
+W = 5
+
+
+def _planner(full_ms, plain_ms, accepted, steps=20, **kw):
+    """A planner that has seen ``steps`` full-width steps of 4 requests, each accepting ``accepted``
+    of its 4 drafts, with the two step costs known."""
+    p = Planner(W, PlannerConfig(**kw))
+    rids = [f"r{i}" for i in range(4)]
+    for _ in range(steps):
+        p.observe(rids, [accepted] * 4, W, 4, full_ms / 1e3)
+    p.costs[(4, 1)] = plain_ms / 1e3
+    return p, rids
+
+
+def test_planner_picks_width_1_when_drafting_cannot_pay():
+    p, rids = _planner(full_ms=10.0, plain_ms=4.0, accepted=0)  # ~1 token per step either way
+    assert p.choose(rids, 4) == 1
+    assert p.expected_tokens(rids, 1) == pytest.approx(4.0)
+
+
+def test_planner_keeps_the_full_width_when_drafting_pays():
+    p, rids = _planner(full_ms=5.0, plain_ms=4.0, accepted=3)
+    assert p.choose(rids, 4) == W
+    assert p.expected_tokens(rids, W) > 2.5 * p.expected_tokens(rids, 1)
+
+
+def test_planner_cold_start_probe_and_hysteresis():
+    p = Planner(W)
+    assert p.choose(["a"], 1) == W  # nothing known: full blocks
+    p.observe(["a"], [0], W, 1, 0.010)
+    assert p.choose(["a"], 1) == 1  # width 1's cost at this bucket is unknown: tried once
+    p.observe(["a"], [0], 1, 1, 0.004)
+    for _ in range(10):  # the draft accepts nothing: width 1 from now on ...
+        p.observe(["a"], [0], W, 1, 0.010)
+    p.current = 1
+    assert p.choose(["a"], 1) == 1
+    for _ in range(p.cfg.probe_every):
+        p.observe(["a"], [0], 1, 1, 0.004)
+    assert p.choose(["a"], 1) == W  # ... but one full-width probe every probe_every steps
+    # hysteresis: rates within 5% do not switch
+    q, rids = _planner(full_ms=10.0, plain_ms=4.0, accepted=1)
+    q.costs[(4, W)] = q.costs[(4, 1)] * q.expected_tokens(rids, W) / q.expected_tokens(rids, 1) * 0.97
+    q.current = 1
+    assert q.choose(rids, 4) == 1
+    q.current = W
+    assert q.choose(rids, 4) == W
+    # a new request starts from the prior of every request's counts (here: low) and a fresh one
+    # joins the plan without a history of its own
+    low, rids = _planner(full_ms=10.0, plain_ms=4.0, accepted=0)
+    assert low.alpha("new") < 0.5 < Planner(W).alpha("new")
+
+
+def test_planner_off_and_schedule():
+    p, rids = _planner(full_ms=10.0, plain_ms=4.0, accepted=0, mode="off")
+    assert p.choose(rids, 4) == W
+    sched = parse_schedule("16:5,4:5,64:1", W)
+    assert sched == ((4, 5), (16, 5), (64, 1))
+    p = Planner(W, PlannerConfig(schedule=sched))
+    assert [p.choose(["r"] * n, n) for n in (1, 4, 5, 16, 17, 64, 65)] == [5, 5, 5, 5, 1, 1, 1]
+    for bad in ("16:3", "x:5", "0:5"):
+        with pytest.raises(ValueError, match="width-schedule"):
+            parse_schedule(bad, W)
+    with pytest.raises(ValueError, match="speculative-planner"):
+        EngineConfig(speculative_planner="sometimes")
+
+
+class RandomWidths(Planner):
+    """Width 1 or the full width at random each step (seeded): the hardest case for losslessness."""
+
+    rng = random.Random(0)
+
+    def choose(self, rids, bucket):
+        return self.rng.choice([1, self.width])
+
+
+@pytest.fixture(scope="module")
+def llama():
+    t = TargetModel(build("llama", seed=3), layer_ids=[0, 2])
+    return t, random_draft(t, 3).draft
+
+
+@pytest.mark.parametrize("runner", ["paged", "static"])
+def test_width_1_runs_no_draft_forward(llama, runner, monkeypatch):
+    """Injected costs where drafting cannot pay: after the cold start the planner picks width 1 and
+    the draft forward is not called again."""
+    t, d = llama
+    calls = {"n": 0}
+    real = DFlash2DraftModel.forward
+
+    def counted(self, *a, **k):
+        calls["n"] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(DFlash2DraftModel, "forward", counted)
+    eng = LLMEngine(t, d, EngineConfig(max_running_requests=4, num_draft_tokens=W, context_length=128, runner=runner))
+    eng.planner.cfg = PlannerConfig(cost_decay=0.999, probe_every=1000)
+    for B in (1, 2, 4):  # a draft accepting nothing (random weights) and a full step 3x a plain one
+        eng.planner.costs[(B, W)], eng.planner.costs[(B, 1)] = 0.030, 0.010
+    prompts = [torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
+    reqs = [Request(p, SamplingParams(max_new_tokens=40)) for p in prompts]
+    for r in reqs:
+        eng.add_request(r)
+    eng.run_until_done()
+    by_width = eng.stats.steps_by_width
+    assert by_width.get(1, 0) > 5 * by_width.get(W, 0) > 0, by_width
+    assert calls["n"] == by_width[W]  # one draft forward per full-width step, none at width 1
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == hf_greedy(t, torch.tensor(p), 40)
+    assert all(1 <= r.mean_width < W for r in reqs if r.verify_steps)  # /generate's spec_mean_width
+
+
+@pytest.mark.parametrize("runner", ["paged", "static"])
+def test_greedy_equals_target_while_widths_change(llama, runner):
+    t, d = llama
+    eng = LLMEngine(t, d, EngineConfig(max_running_requests=3, num_draft_tokens=W, context_length=128, runner=runner))
+    eng.planner = RandomWidths(W)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (int(torch.randint(3, 15, (), generator=g)),), generator=g) for _ in range(6)]
+    reqs = [Request(p.tolist(), SamplingParams(max_new_tokens=25 + 5 * i)) for i, p in enumerate(prompts)]
+    for r in reqs:
+        eng.add_request(r)
+    eng.run_until_done()
+    assert set(eng.stats.steps_by_width) == {1, W}
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_sampled_distribution_exact_while_widths_change(method):
+    """The first three sampled tokens follow the target's exact joint distribution (enumerated)
+    while every step's width is 1 or the full one at random."""
+    V = 8
+    model = sharp_v8_llama(3)
+    t = TargetModel(model, layer_ids=[0])
+    cfg = tiny_config(
+        hidden_size=16,
+        vocab_size=V,
+        mask_token_id=V - 1,
+        target_layer_ids=[0],
+        num_target_layers=2,
+        selector_top_k=4,
+        rope_scaling=None,
+    )
+    d = DFlash2DraftModel(cfg).init_weights(std=0.3)
+    prompt = [1, 2, 3]
+    with torch.no_grad():
+
+        def p_next(ids):
+            return probs_from_logits(model(torch.tensor([ids])).logits[0, -1], 1.0)
+
+        joint = torch.zeros(V, V, V)
+        p1 = p_next(prompt)
+        for a in range(V):
+            p2 = p_next(prompt + [a])
+            for b in range(V):
+                joint[a, b] = p1[a] * p2[b] * p_next(prompt + [a, b])
+    eng = LLMEngine(
+        t,
+        d,
+        EngineConfig(
+            max_running_requests=64,
+            num_draft_tokens=4,
+            context_length=64,
+            block_verification=method == "block",
+            max_total_tokens=64 * 16,
+            page_size=8,
+        ),
+    )
+    eng.planner = RandomWidths(4)
+    n = 4000
+    reqs = [
+        Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=s, ignore_eos=True)) for s in range(n)
+    ]
+    for r in reqs:
+        eng.add_request(r)
+    eng.run_until_done()
+    assert all(r.finish_reason == "length" for r in reqs), {r.error for r in reqs}
+    assert set(eng.stats.steps_by_width) == {1, 4} and eng.stats.accepted_by_position[0] > 0
+    triples = torch.tensor([(r.output_ids[0] * V + r.output_ids[1]) * V + r.output_ids[2] for r in reqs])
+    assert _chi2_ok(triples, joint.flatten())
+
+
+def test_metrics_and_meta_show_the_widths(llama):
+    from dflash2.server.metrics import render_metrics
+
+    t, d = llama
+    eng = LLMEngine(t, d, EngineConfig(max_running_requests=2, num_draft_tokens=W, context_length=128))
+    eng.planner = RandomWidths(W)
+    r = eng.add_request(Request([5, 6, 7, 8], SamplingParams(max_new_tokens=30, ignore_eos=True)))
+    eng.run_until_done()
+    text = render_metrics(eng)
+    steps = {w: n for w, n in eng.stats.steps_by_width.items()}
+    for w, n in steps.items():
+        assert f'dflash2_spec_steps_by_width_total{{width="{w}"}} {float(n)}' in text
+    mean = sum(w * n for w, n in steps.items()) / sum(steps.values())
+    assert f"dflash2_spec_mean_width {mean}" in text and r.mean_width == pytest.approx(mean)
+    assert "dflash2_spec_planner_alpha" in text and "dflash2_spec_observed_accept_rate" in text
