@@ -185,8 +185,8 @@ class ModelRunner:
         return steps.propose(self.draft, out.hidden, anchors, self.target.lm_head_weight, sampling)
 
     def bucket(self, n: int) -> int:
-        """The batch size a step of ``n`` requests is costed under (powers of two: shapes vary freely)."""
-        return 1 << max(n - 1, 0).bit_length()
+        """The batch size a step of ``n`` requests is costed under: ``n`` (eager steps cost what their rows do)."""
+        return n
 
     def release(self, req: Request) -> None:
         req.draft_cache = None

@@ -8,9 +8,11 @@ picks: every step is a complete speculative step at its width.
   weighted count of accepted / tried drafts with a prior from every request's (cold start: the
   prior is optimistic, so new traffic verifies full blocks until the counts say otherwise).
   Expected committed tokens at width ``w``: ``sum_{i < w} alpha^i``.
-- Decisions are keyed on the decode requests only (prefills do not count), switch only when the
-  other width is ``hysteresis`` better, and a long run at width 1 is broken by one full-width probe
-  every ``probe_every`` steps (width 1 observes no acceptance, so the estimate would freeze).
+- Decisions are keyed on the decode requests only (prefills do not count) and switch only when the
+  other width is ``hysteresis`` better. Every ``probe_every`` steps at one width, one step runs the
+  other (width 1 observes no acceptance, and an unused width's cost goes stale as contexts grow).
+  A width never run at a bucket is costed from the other width there and the latest ratio of the
+  two seen anywhere, so each new batch size does not have to try both.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class PlannerConfig:
     mode: str = "auto"  # auto: plan each step; off: always the full width
     schedule: tuple[tuple[int, int], ...] = ()  # pinned (max batch, width) pairs; overrides auto
     hysteresis: float = 0.05  # the other width must promise this much more tokens/s
-    probe_every: int = 32  # width-1 steps between full-width probes
+    probe_every: int = 32  # steps at one width between probes of the other
     prior: float = 0.9  # per-draft acceptance before anything is observed
     prior_weight: float = 2.0  # pseudo-drafts of the prior in a request's estimate
     decay: float = 0.9  # per step, on a request's counts (recent steps matter most)
@@ -76,7 +78,9 @@ class Planner:
     cfg: PlannerConfig = field(default_factory=PlannerConfig)
     costs: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, width) -> seconds
     current: int = 0  # the width of the last step (0: none yet)
-    since_probe: int = 0
+    steps: int = 0
+    last_run: dict[int, int] = field(default_factory=dict)  # width -> the step it last ran
+    ratio: float | None = None  # cost(width 1) / cost(full width), latest seen
     counts: dict[str, _Counts] = field(default_factory=dict)  # per request id
     total: _Counts = field(default_factory=_Counts)  # every request's, for the prior
 
@@ -117,24 +121,36 @@ class Planner:
             return W
         if cfg.schedule:
             return next((w for b, w in cfg.schedule if len(rids) <= b), 1)
-        full, plain = self.costs.get((bucket, W)), self.costs.get((bucket, 1))
-        if full is None:  # cold start: full blocks (and their cost and acceptance are learned)
+        cost = {w: self.cost(bucket, w) for w in (1, W)}
+        if cost[W] is None:  # cold start: full blocks (and their cost and acceptance are learned)
             return W
-        if plain is None:  # try width 1 once at this batch size, to learn what it costs
+        if cost[1] is None:  # try width 1 once, to learn what it costs
             return 1
-        if self.current == 1 and self.since_probe >= cfg.probe_every:
-            return W  # one probe keeps the acceptance estimate fresh
-        rate = {w: self.expected_tokens(rids, w) / self.costs[(bucket, w)] for w in (1, W)}
-        keep = self.current if self.current in rate else W
+        keep = self.current if self.current in cost else W
         other = 1 if keep == W else W
+        if self.steps - self.last_run.get(other, 0) >= cfg.probe_every:
+            return other  # one probe keeps the other width's cost (and, for the full width, acceptance) fresh
+        rate = {w: self.expected_tokens(rids, w) / c for w, c in cost.items() if c is not None}
         return other if rate[other] > rate[keep] * (1 + cfg.hysteresis) else keep
+
+    def cost(self, bucket: int, width: int) -> float | None:
+        """Seconds of a step at ``width``: measured at this bucket, or derived from the other width
+        measured there and the latest ratio between the two (None: nothing to go on)."""
+        if (bucket, width) in self.costs:
+            return self.costs[(bucket, width)]
+        other = self.costs.get((bucket, self.width if width == 1 else 1))
+        if other is None or self.ratio is None:
+            return None
+        return other * self.ratio if width == 1 else other / self.ratio
 
     def observe(self, rids: list[str], accepted: list[int], width: int, bucket: int, seconds: float) -> None:
         """One step's outcome: each request's accepted drafts, and the step's wall time."""
         key, d = (bucket, width), self.cfg.cost_decay
         self.costs[key] = seconds if key not in self.costs else d * self.costs[key] + (1 - d) * seconds
-        self.since_probe = self.since_probe + 1 if width == 1 else 0
-        self.current = width
+        self.steps += 1
+        self.last_run[width], self.current = self.steps, width
+        if (bucket, 1) in self.costs and (bucket, self.width) in self.costs:
+            self.ratio = self.costs[(bucket, 1)] / self.costs[(bucket, self.width)]
         g = width - 1
         if g == 0:
             return
