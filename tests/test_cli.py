@@ -138,3 +138,36 @@ def test_bad_token_map_is_a_clear_error(tmp_path):
         check=False,
     )
     assert p.returncode == 2 and "map.json" in p.stderr and "49152" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_model_spec_from_flags_is_what_load_reads():
+    """The typed entry layer: every model flag lands in ModelSpec; a NONE algorithm loads no drafter."""
+    from dflash2.cli import build_parser
+    from dflash2.entry import ModelSpec
+
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "speed",
+            "--speculative-num-draft-tokens",
+            "6",
+            "--speculative-use-block-verification",
+            "--speculative-token-map",
+            "none",
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+        ]
+    )
+    spec = ModelSpec.from_args(args)
+    assert (spec.num_draft_tokens, spec.block_verification, spec.token_map, spec.dtype, spec.device) == (
+        6,
+        True,
+        "none",
+        "float32",
+        "cpu",
+    )
+    assert spec.speculative and spec.draft_path is None and spec.quantization == "auto"
+    none = ModelSpec.from_args(build_parser().parse_args(["bench", "speed", "--speculative-algorithm", "NONE"]))
+    assert not none.speculative

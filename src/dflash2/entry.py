@@ -1,11 +1,14 @@
-"""The entry layer: the model flags every subcommand shares and the one place that loads a target
-with its drafter from them. Imports no subcommand (the CLI, the server and the benchmarks import it)."""
+"""The entry layer: the model flags every subcommand shares, :class:`ModelSpec` (those flags, typed)
+and :func:`load`, the one place that loads a target with its drafter. Imports no subcommand (the CLI,
+the server and the benchmarks import it)."""
 
 from __future__ import annotations
 
 import argparse
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DRAFT = REPO / "models" / "smollm2-135m-dflash2"
@@ -116,48 +119,103 @@ def add_sampling_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=None)
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to load and how to run it: the model flags, typed (``from_args`` reads the parsed flags)."""
+
+    model_path: str | None = None  # None: SmolLM2-135M-Instruct
+    speculative: bool = True  # --speculative-algorithm DFLASH (False: NONE)
+    draft_path: str | None = None  # None: the shipped drafter
+    num_draft_tokens: int | None = None  # None: the drafter's block_size
+    block_verification: bool = False
+    token_map: str | None = None  # None: token_map.pt beside the drafter when present; "none": off
+    quantization: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    trust_remote_code: bool = False
+    verify_manifest: str | None = None
+    manifest_signature: str | None = None
+    manifest_public_key: str | None = None
+
+    @classmethod
+    def from_args(cls, args) -> "ModelSpec":
+        return cls(
+            model_path=args.model_path,
+            speculative=args.speculative_algorithm == "DFLASH",
+            draft_path=args.speculative_draft_model_path,
+            num_draft_tokens=args.speculative_num_draft_tokens,
+            block_verification=args.speculative_use_block_verification,
+            token_map=getattr(args, "speculative_token_map", None),
+            quantization=getattr(args, "speculative_draft_model_quantization", "none"),
+            dtype=args.dtype,
+            device=args.device,
+            trust_remote_code=args.trust_remote_code,
+            verify_manifest=args.verify_manifest,
+            manifest_signature=args.manifest_signature,
+            manifest_public_key=args.manifest_public_key,
+        )
+
+
+@dataclass
+class Models:
+    """A loaded target with its drafter (None: the target alone), the width and the verifier."""
+
+    target: Any
+    draft: Any
+    width: int
+    block_verification: bool
+    device: str
+
+
 def load_models(args):
-    """Target (+ drafter unless NONE), width and verifier from the flags."""
+    """The CLI's form of :func:`load`: ``(target, draft, width)`` from the parsed flags (and the
+    resolved device written back into them)."""
+    m = load(ModelSpec.from_args(args))
+    args.device = m.device
+    return m.target, m.draft, m.width
+
+
+def load(spec: ModelSpec) -> Models:
+    """Target (+ drafter unless not speculative), width and verifier."""
     import torch
     from .model.checkpoint import CheckpointError, load_draft
     from .model.token_map import DEFAULT_NAME as TOKEN_MAP_NAME
     from .model.token_map import load_token_map
     from .target.loading import load_target, resolve_dtype
 
-    args.device = resolve_device(args.device)
+    device = resolve_device(spec.device)
     draft, width = None, 1
-    if args.speculative_algorithm == "DFLASH":
-        path = Path(args.speculative_draft_model_path or DEFAULT_DRAFT)
-        if args.verify_manifest:
+    path = Path(spec.draft_path or DEFAULT_DRAFT)
+    if spec.speculative:
+        if spec.verify_manifest:
             from .integrity.manifest import verify_folder
 
             if not verify_folder(
-                path, args.verify_manifest, args.manifest_signature, args.manifest_public_key, progress=False
+                path, spec.verify_manifest, spec.manifest_signature, spec.manifest_public_key, progress=False
             ):
-                raise CheckpointError(f"{path}: refused, the files do not match {args.verify_manifest}")
-        dtype = resolve_dtype(args.dtype, args.device)
-        draft = load_draft(path, device=args.device, dtype=dtype)
+                raise CheckpointError(f"{path}: refused, the files do not match {spec.verify_manifest}")
+        dtype = resolve_dtype(spec.dtype, device)
+        draft = load_draft(path, device=device, dtype=dtype)
         # inference only: a no-op off the CPU or in bf16
-        quant = getattr(args, "speculative_draft_model_quantization", "none")
+        quant = spec.quantization
         if quant == "auto":  # paired on the 2-core CPU: +4% tok/s at w=5, +9% at w=8 (docs/benchmarks.md)
-            quant = "w8a8_int8" if args.device == "cpu" and dtype == torch.float32 else "none"
+            quant = "w8a8_int8" if device == "cpu" and dtype == torch.float32 else "none"
         draft.pack_cpu_linears(quant)
         width = draft.config.block_size
-        if args.speculative_num_draft_tokens is not None:
-            if args.speculative_num_draft_tokens < 2:
+        if spec.num_draft_tokens is not None:
+            if spec.num_draft_tokens < 2:
                 raise SystemExit("--speculative-num-draft-tokens must be >= 2")
-            if args.speculative_num_draft_tokens != width:
+            if spec.num_draft_tokens != width:
                 warnings.warn(
-                    f"--speculative-num-draft-tokens {args.speculative_num_draft_tokens} overrides the "
-                    f"drafter's block_size {width}"
+                    f"--speculative-num-draft-tokens {spec.num_draft_tokens} overrides the drafter's block_size {width}"
                 )
-            width = args.speculative_num_draft_tokens
+            width = spec.num_draft_tokens
     target = load_target(
-        args.model_path,
-        args.dtype,
-        args.device,
+        spec.model_path,
+        spec.dtype,
+        device,
         layer_ids=draft.config.target_layer_ids if draft else [],
-        trust_remote_code=args.trust_remote_code,
+        trust_remote_code=spec.trust_remote_code,
     )
     if draft is not None:
         if (
@@ -168,15 +226,15 @@ def load_models(args):
                 f"drafter (hidden {draft.config.hidden_size}, vocab {draft.config.vocab_size}) does not fit "
                 f"the target (hidden {target.config.hidden_size}, vocab {target.lm_head_weight.shape[0]})"
             )
-        map_path = getattr(args, "speculative_token_map", None)
+        map_path: str | Path | None = spec.token_map
         if map_path is None and (path / TOKEN_MAP_NAME).is_file():
             map_path = path / TOKEN_MAP_NAME
         if map_path is not None and str(map_path).lower() != "none":
-            if args.verify_manifest and Path(map_path).resolve().parent != path.resolve():
+            if spec.verify_manifest and Path(map_path).resolve().parent != path.resolve():
                 raise CheckpointError(f"{map_path}: refused, --verify-manifest covers only the files in {path}")
             draft.set_token_map(load_token_map(map_path, draft.config.vocab_size), target.lm_head_weight)
     torch.set_grad_enabled(False)
-    return target, draft, width
+    return Models(target, draft, width, spec.block_verification, device)
 
 
 def sampling_from(args):
