@@ -591,7 +591,9 @@ def stage_engine(args) -> None:
         eng.run_until_done()
         return [r.output_ids for r in reqs], type(eng.runner).__name__, eng.runner.use_graph
 
-    for dtype in ("float32", "bfloat16")[2 - args.check_dtypes :]:
+    if not args.check_prompts:  # speed only
+        target, draft, _ = models("bfloat16")
+    for dtype in ("float32", "bfloat16")[2 - args.check_dtypes :] if args.check_prompts else ():
         target, draft, _ = models(dtype)
         ids = [render(target.tokenizer, p) for p in prompts[: args.check_prompts]]
         ref, *_ = serve(target, None, ids, 2, "paged")
@@ -650,6 +652,7 @@ def stage_engine(args) -> None:
             temp,
             requests_per_slot=2,
             rounds=args.rounds,
+            adaptive=args.adaptive,
         )
         print(f"engine, CUDA graphs, bf16, T={temp}\n" + engine_speed.table(rows), flush=True)
         report["speed"][f"graphs_t{temp}"] = [r.__dict__ for r in rows]
@@ -913,6 +916,7 @@ def main() -> None:
     ap.add_argument("--no-speed", dest="speed", action="store_false", help="acceptance only")
     ap.add_argument("--speed-widths", default="5,8")
     ap.add_argument("--rounds", type=int, default=3, help="speed: rotated repeats per config (rows are noisy)")
+    ap.add_argument("--adaptive", action="store_true", help="engine: each DFlash2 row again with the planner on")
     ap.add_argument("--speed-verifiers", default="token,block", help="order of the rows, e.g. block,token")
     ap.add_argument(
         "--speed-temperature",
