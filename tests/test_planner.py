@@ -25,7 +25,7 @@ W = 5
 def _planner(full_ms, plain_ms, accepted, steps=20, **kw):
     """A planner that has seen ``steps`` full-width steps of 4 requests, each accepting ``accepted``
     of its 4 drafts, with the two step costs known."""
-    p = Planner(W, PlannerConfig(**kw))
+    p = Planner(W, PlannerConfig(**({"mode": "auto"} | kw)))
     rids = [f"r{i}" for i in range(4)]
     for _ in range(steps):
         p.observe(rids, [accepted] * 4, W, 4, full_ms / 1e3)
@@ -46,7 +46,7 @@ def test_planner_keeps_the_full_width_when_drafting_pays():
 
 
 def test_planner_cold_start_probe_and_hysteresis():
-    p = Planner(W)
+    p = Planner(W, PlannerConfig(mode="auto"))
     assert p.choose(["a"], 1) == W  # nothing known: full blocks
     p.observe(["a"], [0], W, 1, 0.010)
     assert p.choose(["a"], 1) == 1  # width 1's cost at this bucket is unknown: tried once
@@ -68,7 +68,7 @@ def test_planner_cold_start_probe_and_hysteresis():
     # a new request starts from the prior of every request's counts (here: low) and a fresh one
     # joins the plan without a history of its own
     low, rids = _planner(full_ms=10.0, plain_ms=4.0, accepted=0)
-    assert low.alpha("new") < 0.5 < Planner(W).alpha("new")
+    assert low.alpha("new") < 0.5 < Planner(W, PlannerConfig(mode="auto")).alpha("new")
 
 
 def test_planner_off_and_schedule():
@@ -76,7 +76,7 @@ def test_planner_off_and_schedule():
     assert p.choose(rids, 4) == W
     sched = parse_schedule("16:5,4:5,64:1", W)
     assert sched == ((4, 5), (16, 5), (64, 1))
-    p = Planner(W, PlannerConfig(schedule=sched))
+    p = Planner(W, PlannerConfig(schedule=sched))  # a schedule applies with the planner off too
     assert [p.choose(["r"] * n, n) for n in (1, 4, 5, 16, 17, 64, 65)] == [5, 5, 5, 5, 1, 1, 1]
     for bad in ("16:3", "x:5", "0:5"):
         with pytest.raises(ValueError, match="width-schedule"):
@@ -113,8 +113,14 @@ def test_width_1_runs_no_draft_forward(llama, runner, monkeypatch):
         return real(self, *a, **k)
 
     monkeypatch.setattr(DFlash2DraftModel, "forward", counted)
-    eng = LLMEngine(t, d, EngineConfig(max_running_requests=4, num_draft_tokens=W, context_length=128, runner=runner))
-    eng.planner.cfg = PlannerConfig(cost_decay=0.999, probe_every=1000)
+    eng = LLMEngine(
+        t,
+        d,
+        EngineConfig(
+            max_running_requests=4, num_draft_tokens=W, context_length=128, runner=runner, speculative_planner="auto"
+        ),
+    )
+    eng.planner.cfg = PlannerConfig(mode="auto", cost_decay=0.999, probe_every=1000)
     for B in (1, 2, 4):  # a draft accepting nothing (random weights) and a full step 3x a plain one
         eng.planner.costs[(B, W)], eng.planner.costs[(B, 1)] = 0.030, 0.010
     prompts = [torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]

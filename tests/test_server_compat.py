@@ -53,8 +53,6 @@ def card(models):
         KEY,
         "--random-seed",
         "3",
-        "--speculative-planner",  # not on the card's line: seeded samples are asserted to repeat
-        "off",
         "--log-level",
         "warning",
         "--mamba-full-memory-ratio",

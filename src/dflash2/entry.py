@@ -64,11 +64,12 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--speculative-use-block-verification", action="store_true")
     ap.add_argument(
         "--speculative-planner",
-        default="auto",
+        default="off",
         choices=["auto", "off"],
         help="auto: each engine step verifies the full width or 1 (the target alone, no draft forward), "
-        "whichever promises more tokens/s from measured step costs and each request's acceptance; "
-        "off: always the full width (seeded sampling then repeats token for token under any load)",
+        "whichever promises more tokens/s from measured step costs and each request's acceptance "
+        "(not yet faster than the fixed width where measured: docs/benchmarks.md); off (default): always "
+        "the full width, and a seeded sampled request repeats token for token under any load",
     )
     ap.add_argument(
         "--speculative-width-schedule",

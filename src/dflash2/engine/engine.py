@@ -54,7 +54,7 @@ class EngineConfig:
     chunked_prefill_size: int | None = None  # SGLang's flag: prompt tokens per step (-1: whole prompts;
     #                                      None: 256 on the CPU, 2048 on CUDA; docs/benchmarks.md, chunked prefill)
     stall_s: float = 120.0  # /health fails when the loop has work but has not come round for this long
-    speculative_planner: str = "auto"  # auto: each step's width by expected tokens/s (1 or the full width); off
+    speculative_planner: str = "off"  # auto: each step's width by expected tokens/s (1 or the full width); off
     speculative_width_schedule: str | None = None  # "BATCH:WIDTH,...": pinned widths by decode batch size
 
     @classmethod

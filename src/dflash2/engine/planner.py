@@ -48,7 +48,7 @@ def parse_schedule(text: str | None, width: int) -> tuple[tuple[int, int], ...]:
 
 @dataclass
 class PlannerConfig:
-    mode: str = "auto"  # auto: plan each step; off: always the full width
+    mode: str = "off"  # auto: plan each step; off: always the full width (the default: docs/benchmarks.md)
     schedule: tuple[tuple[int, int], ...] = ()  # pinned (max batch, width) pairs; overrides auto
     hysteresis: float = 0.05  # the other width must promise this much more tokens/s
     probe_every: int = 32  # steps at one width between probes of the other
@@ -117,10 +117,12 @@ class Planner:
     def choose(self, rids: list[str], bucket: int) -> int:
         """The width of the next step for these decode requests (``bucket``: the runner's batch bucket)."""
         W, cfg = self.width, self.cfg
-        if W == 1 or cfg.mode == "off":
+        if W == 1:
             return W
-        if cfg.schedule:
+        if cfg.schedule:  # pinned, whatever the mode
             return next((w for b, w in cfg.schedule if len(rids) <= b), 1)
+        if cfg.mode == "off":
+            return W
         cost = {w: self.cost(bucket, w) for w in (1, W)}
         if cost[W] is None:  # cold start: full blocks (and their cost and acceptance are learned)
             return W
