@@ -121,7 +121,7 @@ def test_width_1_runs_no_draft_forward(llama, runner, monkeypatch):
         ),
     )
     eng.planner.cfg = PlannerConfig(mode="auto", cost_decay=0.999, probe_every=1000)
-    for B in (1, 2, 4):  # a draft accepting nothing (random weights) and a full step 3x a plain one
+    for B in (1, 2, 3, 4):  # a draft accepting nothing (random weights) and a full step 3x a plain one
         eng.planner.costs[(B, W)], eng.planner.costs[(B, 1)] = 0.030, 0.010
     prompts = [torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
     reqs = [Request(p, SamplingParams(max_new_tokens=40)) for p in prompts]
