@@ -453,7 +453,8 @@ def stage_graphs(args) -> None:
     then an eager reference on a few prompts. Everything in $OUT/graphs.json."""
     import torch
     from dflash2.benchmark.speed import format_table, gsm8k_test_prompts, side_by_side
-    from dflash2.cli import build_parser, load_models, one_slot_engine
+    from dflash2.cli import build_parser, load_models
+    from dflash2.decode_cli import one_slot_engine
     from dflash2.engine import speculative_generate
     from dflash2.training.data import render
     from dflash2.verification import SamplingParams
