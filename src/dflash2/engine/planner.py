@@ -146,7 +146,10 @@ class Planner:
         return other * self.ratio if width == 1 else other / self.ratio
 
     def observe(self, rids: list[str], accepted: list[int], width: int, bucket: int, seconds: float) -> None:
-        """One step's outcome: each request's accepted drafts, and the step's wall time."""
+        """One step's outcome: each request's accepted drafts, and the step's wall time (nothing to
+        learn when the width is fixed or pinned: no per-request work on the hot path)."""
+        if not self.adapts:
+            return
         key, d = (bucket, width), self.cfg.cost_decay
         self.costs[key] = seconds if key not in self.costs else d * self.costs[key] + (1 - d) * seconds
         self.steps += 1
