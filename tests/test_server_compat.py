@@ -323,3 +323,39 @@ def test_n_parallel_samples(card):
     assert isinstance(gen, list) and len(gen) == 2
     with pytest.raises(openai.BadRequestError, match="n > 1"):
         client.chat.completions.create(**{**kw, "stream": True})
+
+
+def test_metrics_latency_histograms_and_sglang_names():
+    """TTFT, end-to-end and inter-token latency histograms, the prompt-token counter, and SGLang's
+    metric names beside ours, read from an engine that served a few requests."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from targets import build
+    from test_speculative import random_draft
+    from dflash2.engine.engine import EngineConfig, LLMEngine
+    from dflash2.engine.request import Request
+    from dflash2.sampling import SamplingParams
+    from dflash2.server.metrics import render_metrics
+    from dflash2.target import TargetModel
+
+    t = TargetModel(build("llama", seed=2), layer_ids=[0, 2])
+    eng = LLMEngine(t, random_draft(t, 2).draft, EngineConfig(max_running_requests=2, num_draft_tokens=4))
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    reqs = [Request(p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for p in prompts]
+    for r in reqs:
+        eng.add_request(r)
+    eng.run_until_done()
+    fams = {f.name: f for f in text_string_to_metric_families(render_metrics(eng))}
+    for prefix in ("dflash2_", "sglang:"):
+        for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "inter_token_latency_seconds"):
+            samples = {(s.name, s.labels.get("le")): s.value for s in fams[prefix + name].samples}
+            assert samples[(prefix + name + "_count", None)] == 3 == samples[(prefix + name + "_bucket", "+Inf")]
+            assert samples[(prefix + name + "_sum", None)] > 0
+            cum = [v for (n, le), v in samples.items() if n.endswith("_bucket")]
+            assert cum == sorted(cum)
+        tokens = fams[prefix + "prompt_tokens"].samples[0].value
+        assert tokens == sum(len(p) for p in prompts)
+    e2e = {s.name: s.value for s in fams["sglang:e2e_request_latency_seconds"].samples}
+    assert e2e["sglang:e2e_request_latency_seconds_sum"] == pytest.approx(sum(r.finished_at - r.arrival for r in reqs))
+    assert fams["sglang:generation_tokens"].samples[0].value == 18
+    assert fams["sglang:num_running_reqs"].samples[0].value == 0

@@ -10,6 +10,7 @@ engine appends the tokens and applies the stop rules. The same engine runs the t
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import threading
@@ -86,6 +87,21 @@ class EngineConfig:
         parse_schedule(self.speculative_width_schedule, self.num_draft_tokens)
 
 
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 300.0)
+
+
+@dataclass
+class LatencyHistogram:
+    """Counts per upper bound of ``LATENCY_BUCKETS`` (the last entry: above them all), and the sum."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+
 @dataclass
 class EngineStats:
     completed: int = 0  # finished normally (stop or length)
@@ -101,6 +117,10 @@ class EngineStats:
     step_s: float = 0.0  # whole batched steps (prefills excluded)
     steps_by_width: dict[int, int] = field(default_factory=dict)  # the planner's choices
     drafts_proposed: int = 0  # draft tokens put to the verifier (width - 1 per request per step)
+    prompt_tokens: int = 0  # prompts whose prefill finished, in tokens
+    ttft: LatencyHistogram = field(default_factory=LatencyHistogram)  # arrival -> first token
+    e2e: LatencyHistogram = field(default_factory=LatencyHistogram)  # arrival -> finished (stop or length)
+    itl: LatencyHistogram = field(default_factory=LatencyHistogram)  # per request: its mean gap between tokens
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -354,6 +374,8 @@ class LLMEngine:
                     assert req.generator is not None
                     tok = first_token(logits, req.sampling, req.generator)
                     req.first_token_at = time.perf_counter()
+                    self.stats.prompt_tokens += len(req.prompt_ids)
+                    self.stats.ttft.observe(req.first_token_at - req.arrival)
                     self._append(req, [tok])
             except Exception as e:
                 log.exception("prefill failed")
@@ -402,6 +424,9 @@ class LLMEngine:
             s.failed += 1
         else:
             s.completed += 1
+            s.e2e.observe(req.finished_at - req.arrival)
+            if req.first_token_at is not None and len(req.output_ids) > 1:
+                s.itl.observe((req.finished_at - req.first_token_at) / (len(req.output_ids) - 1))
         try:
             self.runner.release(req)
         finally:

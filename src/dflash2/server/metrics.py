@@ -5,7 +5,17 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from ..engine.engine import LATENCY_BUCKETS, LatencyHistogram
+
+
+def _histogram(name: str, doc: str, h: LatencyHistogram) -> HistogramMetricFamily:
+    cum, buckets = 0, []
+    for bound, n in zip([str(b) for b in LATENCY_BUCKETS] + ["+Inf"], h.counts):
+        cum += n
+        buckets.append((bound, cum))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h.total)
 
 
 class _EngineCollector:
@@ -65,6 +75,26 @@ class _EngineCollector:
             "Accepted over proposed drafts, all steps",
             value=sum(s.accepted_by_position) / tried if tried else 0.0,
         )
+        yield CounterMetricFamily("dflash2_prompt_tokens", "Prompt tokens prefilled", value=s.prompt_tokens)
+        latency = (
+            ("time_to_first_token_seconds", "Arrival to first token", s.ttft),
+            ("e2e_request_latency_seconds", "Arrival to finish, finished requests", s.e2e),
+            ("inter_token_latency_seconds", "Mean gap between a request's output tokens", s.itl),
+        )
+        for name, doc, h in latency:
+            yield _histogram(f"dflash2_{name}", doc, h)
+        # SGLang's names for what its dashboards and bench_serving read
+        yield GaugeMetricFamily("sglang:num_running_reqs", "Requests running", value=len(e.scheduler.running))
+        yield GaugeMetricFamily("sglang:num_queue_reqs", "Requests waiting", value=len(e.scheduler.waiting))
+        yield CounterMetricFamily("sglang:prompt_tokens", "Prompt tokens prefilled", value=s.prompt_tokens)
+        yield CounterMetricFamily("sglang:generation_tokens", "Tokens generated", value=s.generated_tokens)
+        yield GaugeMetricFamily(
+            "sglang:spec_accept_length",
+            "Generated tokens per verification step",
+            value=s.generated_tokens / s.verify_steps if s.verify_steps else 0.0,
+        )
+        for name, doc, h in latency:
+            yield _histogram(f"sglang:{name}", doc, h)
         used, total = e.pool_usage()
         yield GaugeMetricFamily("dflash2_kv_blocks_used", "KV pool blocks in use", value=used)
         yield GaugeMetricFamily("dflash2_kv_blocks_total", "KV pool blocks", value=total)
