@@ -222,3 +222,15 @@ def test_metrics_and_meta_show_the_widths(llama):
     mean = sum(w * n for w, n in steps.items()) / sum(steps.values())
     assert f"dflash2_spec_mean_width {mean}" in text and r.mean_width == pytest.approx(mean)
     assert "dflash2_spec_planner_alpha" in text and "dflash2_spec_observed_accept_rate" in text
+
+
+def test_step_cost_table_profiles_every_bucket_and_width(llama):
+    """``bench speed --breakdown``: the planner's start-up profile, one row per batch bucket."""
+    from dflash2.benchmark.engine_speed import step_cost_table
+
+    t, d = llama
+    table = step_cost_table(t, d, W, 4, context_length=64).splitlines()
+    assert table[0].split()[:4] == ["bucket", f"w={W}", "ms", "w=1"]
+    rows = [line.split() for line in table[1:]]
+    assert [int(r[0]) for r in rows] == [1, 2, 4]
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)

@@ -49,6 +49,12 @@ def add_bench_parser(sub) -> None:
         "(use 3+ on a noisy or shared machine)",
     )
     s.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="the step-cost table the adaptive planner starts from: ms per step by batch bucket and verify "
+        "width (1 = the target alone), replayed on the static-slot runner (CUDA graphs on CUDA)",
+    )
+    s.add_argument(
         "--adaptive",
         action="store_true",
         help="with --concurrency: each DFlash2 config again with the planner choosing its width per step",
@@ -86,6 +92,12 @@ def cmd_speed(args) -> int:
             "bench speed compares the target alone with DFlash2: --speculative-algorithm NONE leaves nothing to compare"
         )
     widths, verifiers = speed_configs(args, width)
+    if args.breakdown:
+        from .engine_speed import step_cost_table
+
+        slots = max([int(c) for c in args.concurrency.split(",")] if args.concurrency else [8])
+        print(step_cost_table(target, draft, widths[0], slots, disable_cuda_graph=args.disable_cuda_graph), flush=True)
+        return 0
     prompts = gsm8k_test_prompts(args.gsm8k_path, args.limit)
     if args.concurrency:
         from . import engine_speed

@@ -254,3 +254,23 @@ def save(rows, json_path=None, png_path=None) -> None:
         fig.tight_layout()
         fig.savefig(png_path, dpi=120)
         plt.close(fig)
+
+
+def step_cost_table(target, draft, width: int, slots: int, context_length: int = 1024, disable_cuda_graph=False) -> str:
+    """``GraphModelRunner.profile`` as a table: ms per greedy step by batch bucket, at ``width`` and at
+    width 1 (the target alone: no draft forward), and their ratio (what the planner weighs)."""
+    from ..engine.graph_runner import GraphModelRunner, static_supported
+
+    if not static_supported(target):
+        raise SystemExit("--breakdown profiles the static-slot runner, which this target cannot use")
+    runner = GraphModelRunner(
+        target, draft, width, slots, context_length + width + 1, cuda_graph=not disable_cuda_graph, verify_widths=(1,)
+    )
+    costs = runner.profile()
+    lines = [
+        f"{'bucket':>7}{f'w={width} ms':>11}{'w=1 ms':>9}{'ratio':>8}   ({'CUDA graphs' if runner.use_graph else 'eager'})"
+    ]
+    for b in runner.buckets:
+        full, plain = 1e3 * costs[(b, width)], 1e3 * costs[(b, 1)]
+        lines.append(f"{b:>7}{full:>11.2f}{plain:>9.2f}{full / plain:>8.2f}")
+    return "\n".join(lines)
