@@ -359,3 +359,30 @@ def test_metrics_latency_histograms_and_sglang_names():
     assert e2e["sglang:e2e_request_latency_seconds_sum"] == pytest.approx(sum(r.finished_at - r.arrival for r in reqs))
     assert fams["sglang:generation_tokens"].samples[0].value == 18
     assert fams["sglang:num_running_reqs"].samples[0].value == 0
+
+
+def test_continue_final_message_prefills_the_assistant_turn(card, models):
+    """vLLM's ``continue_final_message``: the last assistant message is continued (the prompt is the
+    template's rendering up to that message's text, no end-of-turn), and the two ways to misuse it
+    are refused by name."""
+    url, tok = card[0], models[2]
+    msgs = [{"role": "user", "content": "Say hello"}, {"role": "assistant", "content": "Hello, my name"}]
+    body = {"model": "default", "messages": msgs, "max_tokens": 2, "temperature": 0}
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        headers=AUTH,
+        json=body | {"continue_final_message": True, "add_generation_prompt": False},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    want = tok.apply_chat_template(msgs, continue_final_message=True, add_generation_prompt=False, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    closed = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    closed = list(closed["input_ids"] if hasattr(closed, "keys") else closed)
+    assert r.json()["usage"]["prompt_tokens"] == len(want) < len(closed)
+    for extra, needle in (
+        ({"continue_final_message": True}, "add_generation_prompt"),
+        ({"continue_final_message": True, "add_generation_prompt": False, "messages": msgs[:1]}, "assistant"),
+    ):
+        bad = httpx.post(url + "/v1/chat/completions", headers=AUTH, json=body | extra, timeout=60)
+        assert bad.status_code == 400 and "continue_final_message" in bad.text and needle in bad.text, bad.text

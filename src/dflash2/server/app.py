@@ -571,7 +571,8 @@ async def chat(body: ChatCompletionRequest, http: HTTPRequest):
             st.tokenizer.apply_chat_template,
             messages,
             tools=body.tools if use_tools else None,
-            add_generation_prompt=True,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
             tokenize=True,
         )
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)

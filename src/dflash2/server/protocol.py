@@ -59,7 +59,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "logprob_start_len": (None, -1),
     "top_logprobs_num": (None, 0),
     "return_text_in_logprobs": (None, False),
-    "continue_final_message": (None, False),
 }
 
 
@@ -148,10 +147,18 @@ class ChatCompletionRequest(SamplingFields, _Streamed):
     store: bool | None = None
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
-    continue_final_message: bool | None = None
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, not closed
+    add_generation_prompt: bool = True  # vLLM's: open an assistant turn after the messages
 
     @model_validator(mode="after")
     def _tool_choice(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "parameter 'continue_final_message' needs 'add_generation_prompt': false (vLLM's rule: one "
+                "continues the last message, the other opens a new one)"
+            )
+        if self.continue_final_message and (not self.messages or self.messages[-1].get("role") != "assistant"):
+            raise ValueError("parameter 'continue_final_message': the last message must be the assistant's")
         if self.tool_choice not in (None, "auto", "none"):
             raise ValueError(
                 f"parameter 'tool_choice' = {self.tool_choice!r} is not supported by this server "
