@@ -3,6 +3,7 @@ acceptance beats the untrained draft."""
 
 import warnings
 
+import pytest
 import torch
 
 from targets import build
@@ -205,3 +206,80 @@ def test_training_prompts_and_generated_data():
         n, P = len(r["ids"]), r["prompt_len"]
         assert not loss_mask[b, :P].any() and loss_mask[b, P:n].all() and not loss_mask[b, n:].any()
         assert valid[b, :n].all() and not valid[b, n:].any()
+
+
+_DP_DRAFT = dict(
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    intermediate_size=64,
+    target_layer_ids=[1, 3],
+    block_size=5,
+    mask_token_id=0,
+    sliding_window=64,
+    conv_group_size=4,
+    selector_rank=8,
+    selector_top_k=8,
+    is_causal=True,
+)
+
+
+def _dp_rank(rank: int, world: int, port: int, tmp: str, queue) -> None:
+    """One rank of ``torchrun --nproc-per-node 2 dflash2 train``: the environment torchrun sets."""
+    import os
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    tc = TrainConfig(
+        data=f"{tmp}/data.pt",
+        output_dir=f"{tmp}/draft",
+        draft_config=_DP_DRAFT,
+        steps=6,
+        batch_size=4,
+        max_len=32,
+        anchors_per_seq=8,
+        lr=3e-3,
+        warmup=1,
+        eval_every=0,
+        save_every=1000,
+    )
+    res = train(tc, target=TargetModel(build("llama", seed=1)))
+    flat = torch.cat([p.detach().flatten() for p in res["draft"].parameters()])
+    queue.put((rank, flat.sum().item(), flat.abs().sum().item(), [r["loss"] for r in res["history"]]))
+
+
+def test_data_parallel_two_ranks_on_the_cpu(tmp_path):
+    """Two gloo ranks: each trains on its own batches, gradients are averaged, so both end with the
+    same weights; only rank 0 writes the drafter."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    model = build("llama", seed=1)
+    torch.manual_seed(0)
+    prompts = torch.randint(3, 96, (32, 8))
+    with torch.no_grad():
+        out = model.generate(prompts, max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    TokenDataset([{"ids": r.to(torch.int32), "prompt_len": 8} for r in out]).save(tmp_path / "data.pt")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_dp_rank, args=(r, 2, port, str(tmp_path), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((r, rest) for r, *rest in (queue.get(timeout=240) for _ in procs))
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    (sum0, abs0, loss0), (sum1, abs1, loss1) = got[0], got[1]
+    assert sum0 == pytest.approx(sum1, rel=1e-6, abs=1e-6) and abs0 == pytest.approx(abs1, rel=1e-6)
+    assert loss0 != loss1  # different batches on the two ranks
+    assert (tmp_path / "draft" / "config.json").is_file()

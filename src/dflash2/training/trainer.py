@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -94,15 +95,47 @@ def _init_from_target(draft, target) -> None:
             draft.norm.weight.copy_(0.1 * w.float())
 
 
+def _distributed(tc: TrainConfig) -> tuple[int, int, torch.device, bool]:
+    """torchrun's environment -> (rank, world size, device, whether this call started the process
+    group); one process: (0, 1, tc.device, False). gloo on the CPU, NCCL on GPUs (one per rank)."""
+    world, device = int(os.environ.get("WORLD_SIZE", "1")), torch.device(tc.device)
+    if world == 1:
+        return 0, 1, device, False
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), world, device, started
+
+
+def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
+    """Data parallel: every rank's gradients summed in one flat all-reduce, then divided by the ranks
+    (a parameter a rank did not reach counts as zero there, so every rank sends the same shape)."""
+    import torch.distributed as dist
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset : offset + g.numel()].view_as(g).to(g.dtype)
+        offset += g.numel()
+
+
 def train(tc: TrainConfig, target=None) -> dict:
     from ..target.loading import load_target
 
     torch.manual_seed(tc.seed)
     rng = random.Random(tc.seed)
-    device = torch.device(tc.device)
+    rank, world, device, started = _distributed(tc)
     on_gpu = device.type == "cuda"
     if target is None:
-        target = load_target(tc.target_path, "bfloat16" if on_gpu else "float32", tc.device)
+        target = load_target(tc.target_path, "bfloat16" if on_gpu else "float32", str(device))
     out = Path(tc.output_dir)
     if tc.resume and (out / "config.json").is_file():
         draft = load_draft(out, device=device, dtype=torch.float32).train()
@@ -118,6 +151,12 @@ def train(tc: TrainConfig, target=None) -> dict:
     target.set_layer_ids(cfg.target_layer_ids)
     for p in target.model.parameters():
         p.requires_grad_(False)
+    params = list(draft.parameters())
+    if world > 1:  # every rank starts from rank 0's weights
+        import torch.distributed as dist
+
+        for p in params:
+            dist.broadcast(p.data, 0)
     data = TokenDataset.load(tc.data)
     n_held = max(1, int(len(data) * tc.heldout_fraction))
     idx = list(range(len(data)))
@@ -134,11 +173,13 @@ def train(tc: TrainConfig, target=None) -> dict:
     history: list[dict] = []
     t_start = time.perf_counter()
     tokens_seen = 0
-    bar = tqdm(total=tc.steps, initial=step, desc="train", dynamic_ncols=True)
+    bar = tqdm(total=tc.steps, initial=step, desc="train", dynamic_ncols=True, disable=rank != 0)
     order: list[int] = []
+    # the held-out split above is the same on every rank; the batches differ (rank r draws its own order)
+    batch_rng = rng if world == 1 else random.Random(tc.seed * 1009 + rank + 7919 * step)
     while step < tc.steps:
         if len(order) < tc.batch_size:
-            order += rng.sample(train_idx, len(train_idx))
+            order += batch_rng.sample(train_idx, len(train_idx))
         batch, order = order[: tc.batch_size], order[tc.batch_size :]
         ids, loss_mask, valid = data.batch(batch, tc.max_len, pad)
         ids, loss_mask, valid = ids.to(device), loss_mask.to(device), valid.to(device)
@@ -170,6 +211,8 @@ def train(tc: TrainConfig, target=None) -> dict:
             )
         opt.zero_grad(set_to_none=True)
         lo.loss.backward()
+        if world > 1:
+            _average_gradients(params, world)
         gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), tc.grad_clip)
         opt.step()
         step += 1
@@ -191,10 +234,20 @@ def train(tc: TrainConfig, target=None) -> dict:
             loss=f"{rec['loss']:.3f}",
             top1=f"{rec['top1']:.3f}",
             recall=f"{rec['recall']:.3f}",
-            tok_s=f"{tokens_seen / elapsed:.0f}",
+            tok_s=f"{world * tokens_seen / elapsed:.0f}",
         )
         bar.update(1)
-        last = step == tc.steps or (tc.time_limit_s and elapsed > tc.time_limit_s)
+        last = bool(step == tc.steps or (tc.time_limit_s and elapsed > tc.time_limit_s))
+        if world > 1 and tc.time_limit_s:  # every rank stops at the same step (else an all-reduce waits forever)
+            import torch.distributed as dist
+
+            flag = torch.tensor([float(last)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            last = bool(flag.item())
+        if rank != 0:  # rank 0 evaluates, saves and logs
+            if last:
+                break
+            continue
         if tc.eval_every and (step % tc.eval_every == 0 or last):
             draft.eval()
             al = heldout_acceptance(target, draft, held[: tc.eval_prompts], width, tc.eval_max_new_tokens)
@@ -206,7 +259,14 @@ def train(tc: TrainConfig, target=None) -> dict:
         if last:
             break
     bar.close()
-    return {"steps": step, "history": history, "seconds": time.perf_counter() - t_start, "tokens": tokens_seen}
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        if started:
+            dist.destroy_process_group()
+    seconds = time.perf_counter() - t_start
+    return {"steps": step, "history": history, "seconds": seconds, "tokens": world * tokens_seen, "draft": draft}
 
 
 def _save(draft, opt, step, rng, out: Path, history) -> None:
