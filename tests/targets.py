@@ -4,6 +4,7 @@ import torch
 import transformers as tf
 
 from dflash2.config import DFlash2Config
+from dflash2.model import DFlash2DraftModel
 
 VOCAB = 96
 
@@ -173,3 +174,32 @@ def sharp_v8_llama(seed: int = 3):
             if p.dim() == 2:
                 p.normal_(0, 0.5)
     return model
+
+
+def v8_draft(std: float = 0.2) -> DFlash2DraftModel:
+    """A drafter for :func:`sharp_v8_llama` (hidden 16, vocabulary 8, features of layer 0)."""
+    cfg = tiny_config(
+        hidden_size=16,
+        vocab_size=8,
+        mask_token_id=7,
+        target_layer_ids=[0],
+        num_target_layers=2,
+        selector_top_k=4,
+        rope_scaling=None,
+    )
+    return DFlash2DraftModel(cfg).init_weights(std=std)
+
+
+@torch.no_grad()
+def exact_joint(model, prompt: list[int], n: int) -> torch.Tensor:
+    """The target's exact distribution at T=1 of its next ``n`` tokens after ``prompt``, by enumeration:
+    ``[V] * n``, flattened in the order ``sum_i tok_i * V^(n-1-i)``."""
+    from dflash2.sampling import probs_from_logits
+
+    def p_next(ids):
+        return probs_from_logits(model(torch.tensor([ids])).logits[0, -1], 1.0)
+
+    if n == 1:
+        return p_next(prompt)
+    first = p_next(prompt)
+    return torch.cat([first[a] * exact_joint(model, prompt + [a], n - 1) for a in range(first.numel())])

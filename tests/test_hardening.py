@@ -16,7 +16,7 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import tiny_config
-from targets import VOCAB, build, sharp_v8_llama
+from targets import VOCAB, build, exact_joint, sharp_v8_llama, v8_draft
 from test_speculative import hf_greedy, random_draft
 from dflash2.config import ConfigError, DFlash2Config
 from dflash2.engine import engine as engine_mod
@@ -435,26 +435,11 @@ def test_nan_drafter_keeps_the_target_distribution(method):
     the first two sampled tokens through the engine follow the target's exact joint distribution."""
     V = 8
     model = sharp_v8_llama(3)
-    t = TargetModel(model, layer_ids=[0])
-    d = DFlash2DraftModel(
-        tiny_config(
-            hidden_size=16,
-            vocab_size=V,
-            mask_token_id=V - 1,
-            target_layer_ids=[0],
-            num_target_layers=2,
-            selector_top_k=4,
-            rope_scaling=None,
-        )
-    ).init_weights(std=0.2)
+    t, d = TargetModel(model, layer_ids=[0]), v8_draft()
     with torch.no_grad():
         d.fc.weight.view(-1)[0] = math.nan
     prompt = [1, 2, 3]
-    with torch.no_grad():
-        p1 = probs_from_logits(model(torch.tensor([prompt])).logits[0, -1], 1.0)
-        joint = torch.stack(
-            [p1[a] * probs_from_logits(model(torch.tensor([prompt + [a]])).logits[0, -1], 1.0) for a in range(V)]
-        )
+    joint = exact_joint(model, prompt, 2)
     eng = LLMEngine(
         t,
         d,
@@ -477,4 +462,4 @@ def test_nan_drafter_keeps_the_target_distribution(method):
     assert all(r.finish_reason == "length" for r in reqs), {r.error for r in reqs}
     assert eng.stats.accepted_by_position[0] == 0  # every draft was rejected
     pairs = torch.tensor([r.output_ids[0] * V + r.output_ids[1] for r in reqs])
-    assert _chi2_ok(pairs, joint.flatten())
+    assert _chi2_ok(pairs, joint)

@@ -8,14 +8,14 @@ import warnings
 import pytest
 import torch
 
-from targets import VOCAB, build, sharp_v8_llama, tiny_config
+from targets import VOCAB, build, exact_joint, sharp_v8_llama, v8_draft
 from test_hardening import _chi2_ok
 from test_speculative import hf_greedy, random_draft
 from dflash2.engine.engine import EngineConfig, LLMEngine
 from dflash2.engine.planner import Planner, PlannerConfig, parse_schedule
 from dflash2.engine.request import Request
 from dflash2.model import DFlash2DraftModel
-from dflash2.sampling import SamplingParams, probs_from_logits
+from dflash2.sampling import SamplingParams
 from dflash2.target import TargetModel
 
 warnings.filterwarnings("ignore")
@@ -158,29 +158,9 @@ def test_sampled_distribution_exact_while_widths_change(method):
     while every step's width is 1 or the full one at random."""
     V = 8
     model = sharp_v8_llama(3)
-    t = TargetModel(model, layer_ids=[0])
-    cfg = tiny_config(
-        hidden_size=16,
-        vocab_size=V,
-        mask_token_id=V - 1,
-        target_layer_ids=[0],
-        num_target_layers=2,
-        selector_top_k=4,
-        rope_scaling=None,
-    )
-    d = DFlash2DraftModel(cfg).init_weights(std=0.3)
+    t, d = TargetModel(model, layer_ids=[0]), v8_draft(std=0.3)
     prompt = [1, 2, 3]
-    with torch.no_grad():
-
-        def p_next(ids):
-            return probs_from_logits(model(torch.tensor([ids])).logits[0, -1], 1.0)
-
-        joint = torch.zeros(V, V, V)
-        p1 = p_next(prompt)
-        for a in range(V):
-            p2 = p_next(prompt + [a])
-            for b in range(V):
-                joint[a, b] = p1[a] * p2[b] * p_next(prompt + [a, b])
+    joint = exact_joint(model, prompt, 3)
     eng = LLMEngine(
         t,
         d,
@@ -204,7 +184,7 @@ def test_sampled_distribution_exact_while_widths_change(method):
     assert all(r.finish_reason == "length" for r in reqs), {r.error for r in reqs}
     assert set(eng.stats.steps_by_width) == {1, 4} and eng.stats.accepted_by_position[0] > 0
     triples = torch.tensor([(r.output_ids[0] * V + r.output_ids[1]) * V + r.output_ids[2] for r in reqs])
-    assert _chi2_ok(triples, joint.flatten())
+    assert _chi2_ok(triples, joint)
 
 
 def test_metrics_and_meta_show_the_widths(llama):

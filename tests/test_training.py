@@ -16,6 +16,26 @@ from dflash2.training.trainer import TrainConfig, heldout_acceptance, train
 
 warnings.filterwarnings("ignore")
 
+# a drafter small enough to train in seconds on the CPU (the end-to-end and data-parallel tests)
+TINY_DRAFT = dict(
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    intermediate_size=64,
+    target_layer_ids=[1, 3],
+    block_size=5,
+    mask_token_id=0,
+    sliding_window=64,
+    conv_group_size=4,
+    selector_rank=8,
+    selector_top_k=8,
+    is_causal=True,
+)
+
 
 def test_sample_blocks_shapes_and_masks():
     ids = torch.arange(20).view(1, 20)
@@ -82,28 +102,10 @@ def test_train_end_to_end(tmp_path):
         out = model.generate(prompts, max_new_tokens=40, do_sample=False, min_new_tokens=40)
     rows = [{"ids": r.to(torch.int32), "prompt_len": 8} for r in out]
     TokenDataset(rows).save(tmp_path / "data.pt")
-    dc = dict(
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
-        intermediate_size=64,
-        target_layer_ids=[1, 3],
-        block_size=5,
-        mask_token_id=0,
-        sliding_window=64,
-        conv_group_size=4,
-        selector_rank=8,
-        selector_top_k=8,
-        is_causal=True,
-    )
     tc = TrainConfig(
         data=str(tmp_path / "data.pt"),
         output_dir=str(tmp_path / "draft"),
-        draft_config=dc,
+        draft_config=TINY_DRAFT,
         steps=160,
         batch_size=16,
         max_len=64,
@@ -208,26 +210,6 @@ def test_training_prompts_and_generated_data():
         assert valid[b, :n].all() and not valid[b, n:].any()
 
 
-_DP_DRAFT = dict(
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    q_lora_rank=16,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=8,
-    intermediate_size=64,
-    target_layer_ids=[1, 3],
-    block_size=5,
-    mask_token_id=0,
-    sliding_window=64,
-    conv_group_size=4,
-    selector_rank=8,
-    selector_top_k=8,
-    is_causal=True,
-)
-
-
 def _dp_rank(rank: int, world: int, port: int, tmp: str, queue) -> None:
     """One rank of ``torchrun --nproc-per-node 2 dflash2 train``: the environment torchrun sets."""
     import os
@@ -239,7 +221,7 @@ def _dp_rank(rank: int, world: int, port: int, tmp: str, queue) -> None:
     tc = TrainConfig(
         data=f"{tmp}/data.pt",
         output_dir=f"{tmp}/draft",
-        draft_config=_DP_DRAFT,
+        draft_config=TINY_DRAFT,
         steps=6,
         batch_size=4,
         max_len=32,

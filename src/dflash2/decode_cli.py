@@ -27,8 +27,8 @@ def one_slot_engine(target, draft, width: int, args, max_tokens: int):
         block_verification=args.speculative_use_block_verification,
         disable_cuda_graph=args.disable_cuda_graph,
         chunked_prefill_size=-1,
-        speculative_planner=getattr(args, "speculative_planner", "auto"),
-        speculative_width_schedule=getattr(args, "speculative_width_schedule", None),
+        speculative_planner=args.speculative_planner,
+        speculative_width_schedule=args.speculative_width_schedule,
     )
     return LLMEngine(target, draft, cfg)
 

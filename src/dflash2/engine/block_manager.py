@@ -16,6 +16,11 @@ class BlockManager:
     def num_free(self) -> int:
         return len(self.free)
 
+    @property
+    def capacity(self) -> int:
+        """The most positions one request can hold: the whole pool."""
+        return self.num_blocks * self.block_size
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -47,8 +52,9 @@ class SlotManager:
     def num_free(self) -> int:
         return self.num_blocks - self.used
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return 1 if num_tokens <= self.block_size else self.num_blocks + 1  # a slot holds it, or nothing does
+    @property
+    def capacity(self) -> int:
+        return self.block_size  # one request holds one slot at most
 
     def can_grow(self, req: Request, num_tokens: int) -> bool:
         return num_tokens <= self.block_size and (bool(req.block_table) or self.num_free > 0)

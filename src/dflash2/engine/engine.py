@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..sampling import SamplingParams
-from .block_manager import BlockManager, SlotManager
+from .block_manager import BlockManager
 from .graph_runner import GraphModelRunner, cuda_graphs_apply, static_bytes, static_supported
 from .model_runner import ModelRunner
 from .planner import Planner, PlannerConfig, cached_profile, parse_schedule
@@ -202,11 +202,10 @@ class LLMEngine:
                 f"prompt has {n} tokens; the context length is {ctx}", "prompt", "context_length_exceeded"
             )
         need, kv = min(n + req.sampling.max_new_tokens, ctx) + self.width + 1, self.runner.kv
-        if kv.blocks_for(need) > kv.num_blocks:
-            held = kv.block_size if isinstance(kv, SlotManager) else kv.num_blocks * kv.block_size
+        if need > kv.capacity:
             raise RequestError(
                 f"prompt ({n} tokens) + max_tokens ({req.sampling.max_new_tokens}) need {need} KV "
-                f"positions; the KV pool holds {held}",
+                f"positions; the KV pool holds {kv.capacity}",
                 "max_tokens",
                 "context_length_exceeded",
             )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import time
 import warnings
+from functools import partial
 
 import torch
 
@@ -247,9 +248,9 @@ class GraphModelRunner:
         if key not in self.graphs:
             out: dict = {}
             if kind == "verify":
-                fn = lambda: self._verify_fn(B, greedy, kv_len, out, key[4])  # noqa: E731
+                fn = partial(self._verify_fn, B, greedy, kv_len, out, key[4])
             else:
-                fn = lambda: self._draft_fn(B, greedy, kv_len, out)  # noqa: E731
+                fn = partial(self._draft_fn, B, greedy, kv_len, out)
             with torch.no_grad():
                 self.graphs[key] = (Replay(fn, self.graphed[greedy], self.pool), out)
         return self.graphs[key]

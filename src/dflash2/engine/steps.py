@@ -146,7 +146,8 @@ class KVManager(Protocol):
     @property
     def num_free(self) -> int: ...
 
-    def blocks_for(self, num_tokens: int) -> int: ...
+    @property
+    def capacity(self) -> int: ...  # the most positions one request can hold
 
     def can_grow(self, req, num_tokens: int) -> bool: ...
 
