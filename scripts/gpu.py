@@ -42,6 +42,7 @@ import os
 import shutil
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -654,6 +655,7 @@ def stage_engine(args) -> None:
             requests_per_slot=2,
             rounds=args.rounds,
             adaptive=args.adaptive,
+            attention_backends=tuple(args.attention_backends.split(",")),
         )
         print(f"engine, CUDA graphs, bf16, T={temp}\n" + engine_speed.table(rows), flush=True)
         report["speed"][f"graphs_t{temp}"] = [r.__dict__ for r in rows]
@@ -820,66 +822,115 @@ def stage_hardening(args) -> None:
 
 
 def stage_attn(args) -> None:
-    """The engine's graphed verify and draft at batch 1 and 8, target attention through SDPA or
-    as grouped matmuls, buffers of 1,029 and 4,101 positions: median of 100 synchronised replays.
-    Needs no stash: a random target of SmolLM2-135M's shape (timing does not depend on weights)
-    with the shipped drafter. Also the two attention forms' largest logit difference."""
+    """The live-KV attention kernel (kernels/live_attention.py) on real shapes: checked against the
+    torch reference, then timed against the masked SDPA over the whole buffer (what the static
+    forward did before); then the static target forward, CUDA-graphed, sdpa vs live, for random
+    targets of SmolLM2-135M's and Llama-8B's shapes, by batch and tokens per row, against the
+    weight-read floor. Needs no stash (timing does not depend on weights). $OUT/attn.json."""
     import torch
+    import torch.nn.functional as F
     import transformers as tf
-    from dflash2.engine.graph_runner import GraphModelRunner
-    from dflash2.engine.request import Request
-    from dflash2.model.checkpoint import load_draft
+    from dflash2.engine.graph_runner import Replay
+    from dflash2.kernels.live_attention import live_attention, live_attention_ref
     from dflash2.target import TargetModel
-    from dflash2.verification import SamplingParams
+    from dflash2.target.static_llama import StaticTarget
 
     info = env_report()
-    dev = args.graph_device
-    draft = load_draft(ROOT / "models" / "smollm2-135m-dflash2", device=dev, dtype=torch.bfloat16).eval()
-    cfg = tf.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=8192,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
+    dev = args.graph_device  # cpu: a dry run of this code (the kernel falls back to its reference)
+    cuda = dev == "cuda"
+    batches, fwd_batches, lengths, n = (
+        ((1, 8, 64), (1, 8, 32, 64), (1088, 4096), 100) if cuda else ((1, 2), (1, 2), (1088,), 2)
     )
-    torch.manual_seed(0)
-    target = TargetModel(tf.LlamaForCausalLM(cfg).to(dev, torch.bfloat16), layer_ids=draft.config.target_layer_ids)
-    prompt = torch.randint(100, 40000, (300,)).tolist()
-    times, logits = {}, {}
-    for attention in ("sdpa", "matmul"):
-        for max_len in (1029, 4101):
-            for B in (1, 8):
-                runner = GraphModelRunner(target, draft, 5, B, max_len, cuda_graph=dev == "cuda", attention=attention)
-                reqs = [Request(prompt[: 300 - 7 * b], SamplingParams()) for b in range(B)]
-                for r in reqs:
-                    runner.prefill(r)
-                    r.output_ids.append(r.prompt_ids[-1])
-                runner._load(reqs, None)  # anchors, positions
-                # fixed blocks (drafts could differ between the two forms by a rounding flip)
-                blocks = torch.tensor(prompt[: 5 * B], device=dev).view(B, 5)
-                logits[attention, max_len, B] = runner.static.forward(blocks, runner.start[:B])[0].float().cpu()
-                for kind in ("draft", "verify"):  # over the whole buffer (the length bucket off)
-                    step, _ = runner._graph(kind, B, True, max_len)
-                    times[f"{attention} max_len {max_len} B{B} {kind}"] = round(replay_ms(step), 3)
-                del runner
-    diff = {
-        f"{m} B{b}": float((logits["sdpa", m, b] - logits["matmul", m, b]).abs().max())
-        for m in (1029, 4101)
-        for b in (1, 8)
-    }
-    log(f"graph replay ms: {json.dumps(times)}")
-    log(f"sdpa vs matmul, largest logit difference (bf16): {json.dumps(diff)}")
+    report: dict = {"env": info, "kernel": {}, "forward_ms": {}}
+    g = torch.Generator(device=dev).manual_seed(0)
+    # 1. the kernel alone: max |kernel - reference| and ms, slot buffers of S positions, rows at ~S/4 .. S-L
+    for shape, (H, KV, d) in {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}.items():
+        for S in lengths:
+            for B in batches:
+                for L in (1, 5, 8):
+                    k = torch.randn(B, KV, S, d, device=dev, dtype=torch.bfloat16, generator=g)
+                    v = torch.randn(B, KV, S, d, device=dev, dtype=torch.bfloat16, generator=g)
+                    q = torch.randn(B, H, L, d, device=dev, dtype=torch.bfloat16, generator=g)
+                    start = torch.randint(S // 4, S - L, (B,), device=dev, generator=g)
+                    table = torch.arange(B, device=dev, dtype=torch.int32)[:, None]
+                    ref = live_attention_ref(q, k, v, table, start, d**-0.5)
+                    out = live_attention(q, k, v, table, start, d**-0.5)
+                    err = float((out.float() - ref.float()).abs().max())
+                    pos = start[:, None] + torch.arange(L, device=dev)
+                    mask = torch.where(torch.arange(S, device=dev) <= pos[..., None], 0.0, -1e30).to(q.dtype)[:, None]
+                    # each timed as a CUDA graph replay, as the runner calls them (no launch overhead)
+                    sdpa = Replay(partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask,
+                                          scale=d**-0.5, enable_gqa=True), cuda)  # fmt: skip
+                    live = Replay(partial(live_attention, q, k, v, table, start, d**-0.5), cuda)
+                    report["kernel"][f"{shape} S{S} B{B} L{L}"] = {
+                        "max_abs_diff": err,
+                        "live_ms": round(replay_ms(live, n), 4),
+                        "sdpa_masked_ms": round(replay_ms(sdpa, n), 4),
+                        "mean_live_len": float(start.float().mean()) + L,
+                    }
+                    del sdpa, live
+    bad = {k: r["max_abs_diff"] for k, r in report["kernel"].items() if not r["max_abs_diff"] < 0.05}
+    log(
+        f"kernel vs reference (bf16), largest diff {max(r['max_abs_diff'] for r in report['kernel'].values()):.3g}; over 0.05: {bad}"
+    )
+    for key, r in report["kernel"].items():
+        log(f"  {key:<24} live {r['live_ms']:.3f} ms  sdpa(masked, whole buffer) {r['sdpa_masked_ms']:.3f} ms")
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "attn.json").write_text(json.dumps({"env": info, "replay_ms": times, "logit_diff": diff}, indent=1))
+    (OUT / "attn.json").write_text(json.dumps(report, indent=1))
+    # 2. the static forward, graphed: ms per call by batch and tokens, sdpa vs live, rows at position ~300
+    x = torch.empty(1 << (30 if cuda else 24), dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    copy_ms = replay_ms(partial(y.copy_, x), 20)
+    bandwidth = 2 * x.numel() / (copy_ms / 1e3)  # bytes read + written per second
+    del x, y
+    report["copy_bandwidth_tb_s"] = round(bandwidth / 1e12, 3)
+    shapes = {
+        "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
+        "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    }  # fmt: skip
+    for shape in args.attn_shapes.split(","):
+        torch.manual_seed(0)
+        with torch.device(dev):
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(max_position_embeddings=8192, **shapes[shape]))
+        model = model.to(torch.bfloat16).eval()
+        target = TargetModel(model, layer_ids=[1, 8])
+        floor_ms = sum(p.numel() * p.element_size() for p in model.parameters()) / bandwidth * 1e3
+        report["forward_ms"][shape] = {"weight_floor_ms": round(floor_ms, 3)}
+        for attention in ("sdpa", "live"):
+            for B in fwd_batches:
+                st = StaticTarget(target, 1088, slots=B, attention=attention)
+                start = torch.full((B,), 300, dtype=torch.long, device=dev)
+                for L in (1, 5, 8):
+                    ids = torch.randint(100, 20000, (B, L), device=dev)
+                    rep = Replay(partial(st.forward, ids, start), cuda)
+                    ms = replay_ms(rep, n)
+                    report["forward_ms"][shape][f"{attention} B{B} L{L}"] = round(ms, 3)
+                    del rep
+                del st
+                if cuda:
+                    torch.cuda.empty_cache()
+        r = report["forward_ms"][shape]
+        log(f"{shape}: static forward ms (graphed, rows at position 300, buffer 1,088); weight floor {floor_ms:.2f} ms")
+        for B in fwd_batches:
+            cells = "  ".join(
+                f"L{L}: sdpa {r[f'sdpa B{B} L{L}']:.2f} live {r[f'live B{B} L{L}']:.2f}" for L in (1, 5, 8)
+            )
+            log(f"  B{B:<3} {cells}")
+        del model, target
+        if cuda:
+            torch.cuda.empty_cache()
+        (OUT / "attn.json").write_text(json.dumps(report, indent=1))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("stage", choices=["stash", "prepare", "train", "bench", "graphs", "engine", "attn", "hardening"])
+    ap.add_argument("--attn-shapes", default="smollm2,llama8b", help="attn: random targets of these shapes timed")
+    ap.add_argument(
+        "--attention-backends", default="auto", help="engine: every row once per backend, e.g. torch_native,triton"
+    )
     ap.add_argument("--graph-limit", type=int, default=20, help="graphs: GSM8K test prompts timed")
     ap.add_argument("--graph-temperatures", default="0,1")
     ap.add_argument("--graph-verifiers", default="token,block", help="graphs: sampled verifiers timed")

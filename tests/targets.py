@@ -31,6 +31,9 @@ def build(arch: str, seed: int = 0, dtype=torch.float32):
     if arch == "llama":
         cfg = tf.LlamaConfig(**_common())
         model = tf.LlamaForCausalLM(cfg)
+    elif arch == "llama_hd16":  # head_dim 16: the smallest the Triton attention kernel takes
+        cfg = tf.LlamaConfig(**_common(hidden_size=64, intermediate_size=96))
+        model = tf.LlamaForCausalLM(cfg)
     elif arch == "qwen3":
         cfg = tf.Qwen3Config(**_common(head_dim=8))
         model = tf.Qwen3ForCausalLM(cfg)

@@ -35,6 +35,7 @@ def _run(
     max_total_tokens=4096,
     sampled=False,
     max_new=(30, 12, 21, 7),
+    attention_backend="auto",
 ):
     """``sampled``: True (every request at T=1 / top-p 0.9), False, or "mixed" (every other one)."""
     eng = LLMEngine(
@@ -50,6 +51,7 @@ def _run(
             page_size=8,
             runner=runner,
             speculative_planner="off",  # step for step against the reference loop / the other runner
+            attention_backend=attention_backend,
         ),
     )
     hot = [sampled is True or (sampled == "mixed" and i % 2 == 1) for i in range(len(prompts))]

@@ -106,6 +106,13 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
         "size; batch 1 is the engine with one slot), else the paged runner. "
         "Graphs need a dense full-attention Llama/Qwen/Mistral target; others run eagerly anyway",
     )
+    ap.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "triton", "torch_native"],
+        help="the static-slot runner's target attention: triton = a kernel that reads each request's live "
+        "keys only; torch_native = masked SDPA over a buffer prefix; auto (default): triton on CUDA",
+    )
     ap.add_argument("--verify-manifest", default=None, help="refuse a drafter whose files fail this manifest")
     ap.add_argument("--manifest-signature", default=None)
     ap.add_argument("--manifest-public-key", default=None)

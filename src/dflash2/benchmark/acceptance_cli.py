@@ -104,6 +104,7 @@ class EngineBackend:
                 max_running_requests=args.max_running_requests,
                 block_verification=args.speculative_use_block_verification,
                 disable_cuda_graph=args.disable_cuda_graph,
+                attention_backend=args.attention_backend,
                 speculative_planner="off",  # acceptance at the loaded width: a width-1 step would count as AL 1
             ),
         )

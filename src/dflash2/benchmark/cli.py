@@ -93,10 +93,12 @@ def cmd_speed(args) -> int:
         )
     widths, verifiers = speed_configs(args, width)
     if args.breakdown:
+        from ..engine.engine import ATTENTION_BACKENDS
         from .engine_speed import step_cost_table
 
         slots = max([int(c) for c in args.concurrency.split(",")] if args.concurrency else [8])
-        print(step_cost_table(target, draft, widths[0], slots, disable_cuda_graph=args.disable_cuda_graph), flush=True)
+        attention = ATTENTION_BACKENDS[args.attention_backend]
+        print(step_cost_table(target, draft, widths[0], slots, args.disable_cuda_graph, attention), flush=True)
         return 0
     prompts = gsm8k_test_prompts(args.gsm8k_path, args.limit)
     if args.concurrency:
@@ -116,6 +118,7 @@ def cmd_speed(args) -> int:
             on_level=lambda rows: (print(engine_speed.table(rows), flush=True), engine_speed.save(rows, args.output)),
             disable_cuda_graph=args.disable_cuda_graph,
             adaptive=args.adaptive,
+            attention_backends=(args.attention_backend,),
         )
         engine_speed.save(rows, args.output, args.plot)
         return 0
@@ -129,6 +132,7 @@ def cmd_speed(args) -> int:
         max_new_tokens=args.max_new_tokens,
         verifies=tuple(verifiers),
         disable_cuda_graph=args.disable_cuda_graph,
+        attention_backend=args.attention_backend,
     )
     print(format_table(rows))
     if args.output:

@@ -49,11 +49,12 @@ def measure(
     disable_cuda_graph: bool = False,
     engines: dict | None = None,
     planner: str = "off",
+    attention_backend: str = "auto",
 ) -> ConcurrencyRow:
     """One config at one concurrency. ``engines``: engines kept across calls, one per config and
     concurrency, so the warm-up pass and the timed rounds run on the same engine, as a warmed-up
     server would (on CUDA an engine captures its graphs when it is built)."""
-    key = (width if draft is not None else 1, block, concurrency, disable_cuda_graph, planner)
+    key = (width if draft is not None else 1, block, concurrency, disable_cuda_graph, planner, attention_backend)
     eng = (engines or {}).get(key)
     if eng is None:
         eng = LLMEngine(
@@ -69,6 +70,7 @@ def measure(
                 max_total_tokens=max(65536, concurrency * 2048),
                 disable_cuda_graph=disable_cuda_graph,
                 speculative_planner=planner,
+                attention_backend=attention_backend,
             ),
         )
         if engines is not None:
@@ -154,19 +156,25 @@ def run(
     warmup: bool = True,
     disable_cuda_graph: bool = False,
     adaptive: bool = False,
+    attention_backends: tuple[str, ...] = ("auto",),
 ) -> list[ConcurrencyRow]:
     """Every config at every concurrency, ``rounds`` times. Round k runs the configs in an order
     rotated by k (target included), so no config is always the first after a change: on a lent,
     host-bound GPU one row's speed moved 2-3x with its place in the order. ``on_level(rows so far)``
     runs after each concurrency level, so a run cut by a time limit keeps the levels it finished.
-    ``adaptive``: each DFlash2 config again with the planner choosing its width per step."""
+    ``adaptive``: each DFlash2 config again with the planner choosing its width per step.
+    ``attention_backends``: every config (the target too) once per backend, each speedup against
+    the target on the same backend."""
     ids = [render(target.tokenizer, p) for p in prompts]
-    configs = [("target", None, 1, False, "off")] + [
-        (f"dflash2 w={w} {v}{' adaptive' if p == 'auto' else ''}", draft, w, v == "block", p)
-        for p in (("off", "auto") if adaptive else ("off",))
-        for w in widths
-        for v in verifiers
-    ]
+    configs = []
+    for a in attention_backends:
+        sfx = f" [{a}]" if len(attention_backends) > 1 else ""
+        configs += [("target" + sfx, None, 1, False, "off", a)] + [
+            (f"dflash2 w={w} {v}{' adaptive' if p == 'auto' else ''}{sfx}", draft, w, v == "block", p, a)
+            for p in (("off", "auto") if adaptive else ("off",))
+            for w in widths
+            for v in verifiers
+        ]
     rows, slot = [], 0
     for c in concurrencies:
         done: dict[str, list[ConcurrencyRow]] = {name: [] for name, *_ in configs}
@@ -175,7 +183,7 @@ def run(
         # (concurrency, width) shape set was 2-3x slower than the next ones (15 vs 36 tok/s for the
         # target at c=1; the token rows, which ran before the block rows of the same width, took
         # the hit and the block rows after them did not), which skewed every speedup.
-        for name, d, w, block, p in configs if warmup else []:
+        for name, d, w, block, p, a in configs if warmup else []:
             measure(
                 target,
                 d,
@@ -190,9 +198,10 @@ def run(
                 disable_cuda_graph=disable_cuda_graph,
                 engines=engines,
                 planner=p,
+                attention_backend=a,
             )
         for k in range(rounds):
-            for name, d, w, block, p in configs[k % len(configs) :] + configs[: k % len(configs)]:
+            for name, d, w, block, p, a in configs[k % len(configs) :] + configs[: k % len(configs)]:
                 row = measure(
                     target,
                     d,
@@ -207,12 +216,15 @@ def run(
                     disable_cuda_graph=disable_cuda_graph,
                     engines=engines,
                     planner=p,
+                    attention_backend=a,
                 )
                 row.round_slots, slot = [slot], slot + 1
                 done[name].append(row)
         level = [pool_rounds(done[name]) for name, *_ in configs]
-        for r in level[1:]:
-            r.speedup = r.tokens_per_s / level[0].tokens_per_s
+        base = {a: r for r, (_, d, *_, a) in zip(level, configs) if d is None}
+        for r, (_, d, *_, a) in zip(level, configs):
+            if d is not None:
+                r.speedup = r.tokens_per_s / base[a].tokens_per_s
         rows += level
         if on_level is not None:
             on_level(rows)
@@ -221,12 +233,12 @@ def run(
 
 def table(rows: list[ConcurrencyRow]) -> str:
     out = [
-        f"{'config':<31}{'conc':>5}{'tok/s':>9}{'AL':>6}{'speedup':>9}{'width':>7}{'draft ms':>10}{'verify ms':>10}"
+        f"{'config':<40}{'conc':>5}{'tok/s':>9}{'AL':>6}{'speedup':>9}{'width':>7}{'draft ms':>10}{'verify ms':>10}"
         f"{'other ms':>9}{'rounds':>7}{'tok/s range':>16}"
     ]
     for r in rows:
         out.append(
-            f"{r.config:<31}{r.concurrency:>5}{r.tokens_per_s:>9.1f}{r.accept_length:>6.2f}{r.speedup:>8.2f}x"
+            f"{r.config:<40}{r.concurrency:>5}{r.tokens_per_s:>9.1f}{r.accept_length:>6.2f}{r.speedup:>8.2f}x"
             f"{r.mean_width:>7.2f}{r.draft_ms_per_step:>10.1f}{r.verify_ms_per_step:>10.1f}{r.overhead_ms_per_step:>9.1f}"
             f"{r.rounds:>7}{f'{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}':>16}"
         )
@@ -256,7 +268,9 @@ def save(rows, json_path=None, png_path=None) -> None:
         plt.close(fig)
 
 
-def step_cost_table(target, draft, width: int, slots: int, context_length: int = 1024, disable_cuda_graph=False) -> str:
+def step_cost_table(
+    target, draft, width: int, slots: int, context_length: int = 1024, disable_cuda_graph=False, attention=None
+) -> str:
     """``GraphModelRunner.profile`` as a table: ms per greedy step by batch bucket, at ``width`` and at
     width 1 (the target alone: no draft forward), and their ratio (what the planner weighs)."""
     from ..engine.graph_runner import GraphModelRunner, static_supported
@@ -264,7 +278,14 @@ def step_cost_table(target, draft, width: int, slots: int, context_length: int =
     if not static_supported(target):
         raise SystemExit("--breakdown profiles the static-slot runner, which this target cannot use")
     runner = GraphModelRunner(
-        target, draft, width, slots, context_length + width + 1, cuda_graph=not disable_cuda_graph, verify_widths=(1,)
+        target,
+        draft,
+        width,
+        slots,
+        context_length + width + 1,
+        cuda_graph=not disable_cuda_graph,
+        verify_widths=(1,),
+        attention=attention,
     )
     costs = runner.profile()
     lines = [

@@ -76,6 +76,7 @@ def side_by_side(
     max_new_tokens: int = 256,
     verifies=("token",),
     disable_cuda_graph: bool = False,
+    attention_backend: str = "auto",
 ) -> list[SpeedRow]:
     """The target alone and every (width, verifier), batch 1: each through an engine with one slot
     (static buffers, CUDA graphs on CUDA, the target alone included, so both sides get the same
@@ -109,6 +110,7 @@ def side_by_side(
                         max_running_requests=1,
                         block_verification=vm == "block",
                         disable_cuda_graph=disable_cuda_graph,
+                        attention_backend=attention_backend,
                         speculative_planner="off",  # each row is its width
                         chunked_prefill_size=-1,
                     ),

@@ -57,6 +57,9 @@ class EngineConfig:
     stall_s: float = 120.0  # /health fails when the loop has work but has not come round for this long
     speculative_planner: str = "off"  # auto: each step's width by expected tokens/s (1 or the full width); off
     speculative_width_schedule: str | None = None  # "BATCH:WIDTH,...": pinned widths by decode batch size
+    # SGLang's flag: the static runner's target attention. triton: the live-KV kernel (reads each row's
+    # live keys only); torch_native: masked SDPA over a buffer prefix; auto: triton on CUDA
+    attention_backend: str = "auto"
 
     @classmethod
     def for_models(cls, target, draft, width: int, context_length: int | None = None, **fields) -> "EngineConfig":
@@ -83,10 +86,15 @@ class EngineConfig:
             raise ValueError(f"KV budget {self.max_total_tokens} tokens is smaller than one page")
         if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
             raise ValueError(f"--chunked-prefill-size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
         PlannerConfig(mode=self.speculative_planner)  # checks the name
         parse_schedule(self.speculative_width_schedule, self.num_draft_tokens)
 
 
+ATTENTION_BACKENDS = {"auto": None, "triton": "live", "torch_native": "sdpa"}  # flag -> StaticTarget's name
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 300.0)
 
 
@@ -173,6 +181,11 @@ class LLMEngine:
                     f"--max-running-requests"
                 )
                 static = False
+        if not static and cfg.attention_backend == "triton":
+            raise ValueError(
+                "--attention-backend triton: the kernel serves the static-slot runner only (a dense "
+                "Llama/Qwen/Mistral target, or --model-runner static); this one runs the paged runner"
+            )
         if static:
             return GraphModelRunner(
                 target,
@@ -183,6 +196,7 @@ class LLMEngine:
                 cuda_graph=not cfg.disable_cuda_graph,
                 block_verification=cfg.block_verification,
                 verify_widths=(1,) if self.planner.can_pick(1) else (),
+                attention=ATTENTION_BACKENDS[cfg.attention_backend],
             )
         pool = BlockManager(cfg.max_total_tokens // cfg.page_size, cfg.page_size)
         return ModelRunner(target, self.draft, pool, self.width, cfg.block_verification)

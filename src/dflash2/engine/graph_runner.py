@@ -24,6 +24,7 @@ from functools import partial
 
 import torch
 
+from ..kernels.live_attention import use_triton
 from ..model.attention import build_block_mask
 from ..target import TargetModel
 from ..target.static_llama import StaticTarget, unsupported_reason
@@ -33,10 +34,11 @@ from .request import Request, prefill_ids
 from .steps import BatchSampling, StepOutput
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-ATTENTION = "sdpa"  # the target's attention over the slot buffers (StaticTarget: sdpa or matmul)
-# Attention reads whole buffers, so a step attends over the shortest of these prefixes that holds
-# every running request (on the H200 a 5-row verify took 4.6 ms over 1,029 positions, 7.3 over 4,101).
-# Each prefix is another set of graphs on CUDA; eager (the CPU) they cost nothing, so finer there.
+# The masked SDPA reads whole buffers, so a step attends over the shortest of these prefixes that
+# holds every running request (on the H200 a 5-row verify took 4.6 ms over 1,029 positions, 7.3 over
+# 4,101). Each prefix is another set of graphs on CUDA; eager (the CPU) they cost nothing, so finer
+# there. With the live kernel (CUDA) the target's verify reads only live keys and has one prefix;
+# the prefixes then bound only the draft's window of context latents.
 KV_BUCKETS = (1024,)
 KV_BUCKETS_EAGER = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -107,7 +109,7 @@ class GraphModelRunner:
         max_len: int,
         cuda_graph: bool = True,
         block_verification: bool = False,
-        attention: str = ATTENTION,
+        attention: str | None = None,
         kv_buckets: tuple[int, ...] | None = None,
         verify_widths: tuple[int, ...] = (),
     ):
@@ -117,6 +119,12 @@ class GraphModelRunner:
         if any(w not in (1, width) for w in self.verify_widths):
             raise ValueError(f"verify widths must be 1 or {width}, got {verify_widths}")
         self.block = block_verification
+        # the target's attention: the live kernel where Triton runs it (CUDA), else the masked SDPA
+        attention = attention or ("live" if target.device.type == "cuda" and use_triton(target.device) else "sdpa")
+        if attention == "live" and not use_triton(target.device):
+            raise ValueError(
+                "--attention-backend triton: Triton cannot run on this device (CUDA, or TRITON_INTERPRET=1 on the CPU)"
+            )
         self.static = StaticTarget(target, max_len, slots=num_slots, attention=attention)
         self.static.check()  # refuse a layout the hand-written forward does not reproduce
         dev = target.device
@@ -125,6 +133,7 @@ class GraphModelRunner:
         self.buckets = [b for b in BUCKETS if b < num_slots] + [num_slots]
         kv_buckets = kv_buckets or (KV_BUCKETS if self.use_graph else KV_BUCKETS_EAGER)
         self.kv_buckets = sorted({b for b in kv_buckets if b < max_len} | {max_len})
+        self.live = attention == "live"
         lng = dict(dtype=torch.long, device=dev)
         self.ids = torch.zeros(num_slots, width, **lng)  # per slot: [anchor, drafts...]
         self.start = torch.zeros(num_slots, **lng)  # per slot: the anchor's position
@@ -152,7 +161,6 @@ class GraphModelRunner:
                 d.num_hidden_layers, num_slots, max_len, d.kv_lora_rank + d.qk_rope_head_dim, dtype=p.dtype, device=dev
             )
             self.ctx_pos = torch.arange(max_len, **lng)[None]
-            self.ctx_valid = torch.ones(1, max_len, dtype=torch.bool, device=dev)  # k < anchor decides
         self.pool = torch.cuda.graph_pool_handle() if self.use_graph else None
         self.graphs: dict[tuple[str, int, bool, int, int], tuple[Replay, dict]] = {}  # kind, B, greedy, kv_len, w
         # Capture every bucket now, largest first so smaller ones reuse its memory (a capture inside a
@@ -168,7 +176,7 @@ class GraphModelRunner:
                 for kv_len in reversed(self.kv_buckets):
                     for B in reversed(self.buckets):
                         for w in self.verify_widths:
-                            self._graph("verify", B, greedy, kv_len, w)
+                            self._graph("verify", B, greedy, self._verify_kv(kv_len), w)
                         if draft is not None:
                             self._graph("draft", B, greedy, kv_len)
             except RuntimeError as e:
@@ -207,7 +215,7 @@ class GraphModelRunner:
         for B in self.buckets:
             for w in self.verify_widths:
                 fns = ([self._graph("draft", B, True, kv_len)[0]] if w > 1 and self.draft is not None else []) + [
-                    self._graph("verify", B, True, kv_len, w)[0]
+                    self._graph("verify", B, True, self._verify_kv(kv_len), w)[0]
                 ]
                 for fn in fns:  # once untimed
                     fn()
@@ -255,6 +263,10 @@ class GraphModelRunner:
                 self.graphs[key] = (Replay(fn, self.graphed[greedy], self.pool), out)
         return self.graphs[key]
 
+    def _verify_kv(self, kv_len: int) -> int:
+        """The prefix a verify graph is keyed by: the live kernel reads live keys whatever the prefix."""
+        return self.max_len if self.live else kv_len
+
     def _rows(self, B: int, greedy: bool, g: int | None = None) -> BatchSampling | None:
         """The first ``B`` slots' sampling buffers, their first ``g`` draws (None: a greedy batch)."""
         if greedy:
@@ -284,21 +296,27 @@ class GraphModelRunner:
         self.start[:B] = (self.start[:B] + n + 1).clamp_(max=self.max_len - self.w)
 
     def _draft_fn(self, B: int, greedy: bool, kv_len: int, out: dict) -> None:
+        """The draft reads the ``W`` latents before each anchor (its sliding window, or the whole
+        prefix when that is shorter), gathered per row: its cost does not grow with the buffer."""
         d, w = self.draft, self.w
         apos = self.start[:B]
         q_pos = apos[:, None] + self.ar
+        W = min(d.config.sliding_window, kv_len)
+        ctx_pos = apos[:, None] - W + self.ctx_pos[:, :W]  # [B, W]; negative before the prompt's start
+        rows = torch.arange(B, device=apos.device)[:, None]
+        ctx = self.lat[:, rows, ctx_pos.clamp(min=0)]  # [layers, B, W, latent]
         mask = build_block_mask(
             q_pos,
             apos[:, None].expand(B, w),
             torch.zeros_like(q_pos),
-            self.ctx_pos[:, :kv_len].expand(B, -1),
-            self.ctx_valid[:, :kv_len].expand(B, -1),
+            ctx_pos,
+            ctx_pos >= 0,
             d.config.sliding_window,
             d.config.is_causal,
         )
         block = self.ids[:B].clone()
         block[:, 1:] = d.config.mask_token_id
-        hidden = d(self.target.embed(block), q_pos, self.lat[:, :B, :kv_len], mask, w)[:, 1:]
+        hidden = d(self.target.embed(block), q_pos, ctx, mask, w)[:, 1:]
         tokens, q = steps.propose(
             d, hidden, self.ids[:B, 0], self.target.lm_head_weight, self._rows(B, greedy), capturable=True
         )
@@ -322,7 +340,10 @@ class GraphModelRunner:
         self.start[s] = len(ids)
         chunk = ids[p : p + (max_tokens or len(ids))]
         logits, feats = self.static.forward(
-            torch.tensor(chunk, device=dev), torch.full((), p, dtype=torch.long, device=dev), slot=s
+            torch.tensor(chunk, device=dev),
+            torch.full((), p, dtype=torch.long, device=dev),
+            slot=s,
+            kv_len=p + len(chunk),
         )
         if self.draft is not None:
             pos = torch.arange(p, p + len(chunk), device=dev)
@@ -365,7 +386,7 @@ class GraphModelRunner:
         if w > 1:
             self._graph("draft", B, greedy, kv_len)[0]()
         t1 = time.perf_counter()
-        replay, out = self._graph("verify", B, greedy, kv_len, w)
+        replay, out = self._graph("verify", B, greedy, self._verify_kv(kv_len), w)
         replay()
         res = steps.finish_step(out["rows"][idx], t0, t1)
         for r, tokens in zip(reqs, res.tokens):

@@ -155,6 +155,7 @@ def cmd_serve(args) -> int:
         max_total_tokens=kv_budget_tokens(args, target),
         page_size=args.page_size,
         disable_cuda_graph=args.disable_cuda_graph,
+        attention_backend=args.attention_backend,
         runner=args.model_runner,
         chunked_prefill_size=args.chunked_prefill_size,
         speculative_planner=args.speculative_planner,

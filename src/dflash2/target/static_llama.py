@@ -18,9 +18,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from ..kernels.live_attention import live_attention
 from .adapter import TargetModel
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+ATTENTIONS = ("sdpa", "matmul", "live")
+LIVE_MAX_ROWS = 64  # query rows (heads per KV head x tokens) per kernel tile; prefill chunks take SDPA
+PAGE_ALIGN = 64  # the live kernel reads keys in tiles of 64: the buffer's length is a multiple
 
 
 def unsupported_reason(target: TargetModel) -> str | None:
@@ -50,8 +54,8 @@ class StaticTarget:
         reason = unsupported_reason(target)
         if reason:
             raise ValueError(f"static forward does not support {reason}")
-        if attention not in ("sdpa", "matmul"):
-            raise ValueError(f"attention must be sdpa or matmul, got {attention!r}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
         self.target, self.max_len, self.attention = target, max_len, attention
         cfg, dev = target.config, target.device
         self.inner = target.model.model
@@ -61,10 +65,13 @@ class StaticTarget:
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
         self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.slots = slots
-        shape = (len(self.inner.layers), slots, self.n_kv, max_len, self.head_dim)
+        buf_len = -(-max_len // PAGE_ALIGN) * PAGE_ALIGN
+        shape = (len(self.inner.layers), slots, self.n_kv, buf_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=target.dtype, device=dev)
         self.v_cache = torch.zeros(shape, dtype=target.dtype, device=dev)
-        self.kv_index = torch.arange(max_len, device=dev)
+        self.kv_index = torch.arange(buf_len, device=dev)
+        # the live kernel reads a slot buffer as a paged cache of one page per slot
+        self.block_table = torch.arange(slots, dtype=torch.int32, device=dev)[:, None]
         self.neg = torch.finfo(target.dtype).min
 
     @torch.no_grad()
@@ -72,23 +79,27 @@ class StaticTarget:
         self, ids: torch.Tensor, start: torch.Tensor, slot: int = 0, kv_len: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv_len``: attend over the first ``kv_len`` positions only (every query row of interest
-        must lie below it; rows are still written at their positions in the full buffer)."""
+        must lie below it; rows are still written at their positions in the full buffer). With
+        ``attention="live"`` a decode or verify block reads only each row's live keys, whatever
+        ``kv_len``; a longer chunk (prefill) takes the masked SDPA over ``kv_len``."""
         if ids.dim() == 1:
             logits, feats = self.forward(ids[None], start.view(1), slot, kv_len)
             return logits[0], feats[0]
         B, L = ids.shape
         pos = start[:, None] + self.kv_index[:L]  # [B, L]
-        kv_index = self.kv_index[:kv_len]
-        # additive mask: key j is visible to the query at position p iff j <= p (stale rows are > p)
-        mask = torch.where(kv_index <= pos[..., None], 0.0, self.neg).to(self.target.dtype)[:, None]
+        live = self.attention == "live" and L * (self.n_heads // self.n_kv) <= LIVE_MAX_ROWS
+        mask = None
+        if not live:
+            # additive mask: key j is visible to the query at position p iff j <= p (stale rows are > p)
+            kv_index = self.kv_index[:kv_len]
+            mask = torch.where(kv_index <= pos[..., None], 0.0, self.neg).to(self.target.dtype)[:, None]
         rows = torch.arange(B, device=ids.device)[:, None].expand(B, L)
         x = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(x, pos)
         feats = {}
         for i, layer in enumerate(self.inner.layers):
-            kv = (self.k_cache[i, slot : slot + B], self.v_cache[i, slot : slot + B])
             x = x + self._attention(
-                layer.self_attn, layer.input_layernorm(x), cos, sin, rows, pos, mask, kv, kv_index.shape[0]
+                layer.self_attn, layer.input_layernorm(x), cos, sin, rows, pos, mask, i, slot, start, kv_len
             )
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in self.target.layer_ids:
@@ -97,7 +108,7 @@ class StaticTarget:
         feats = torch.cat([feats[i] for i in self.target.layer_ids], -1) if feats else x.new_empty(B, L, 0)
         return logits, feats
 
-    def _attention(self, attn, h, cos, sin, rows, pos, mask, kv, kv_len):
+    def _attention(self, attn, h, cos, sin, rows, pos, mask, layer, slot, start, kv_len):
         B, L = h.shape[:2]
         q = attn.q_proj(h).view(B, L, self.n_heads, self.head_dim)
         k = attn.k_proj(h).view(B, L, self.n_kv, self.head_dim)
@@ -105,11 +116,16 @@ class StaticTarget:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         v = attn.v_proj(h).view(B, L, self.n_kv, self.head_dim)
-        k_cache, v_cache = kv  # [B, kv, max_len, d] views
+        k_cache, v_cache = self.k_cache[layer, slot : slot + B], self.v_cache[layer, slot : slot + B]
         k_cache[rows, :, pos] = k.transpose(1, 2)  # row b's tokens at its positions
         v_cache[rows, :, pos] = v
+        if mask is None:  # live: the kernel reads each row's keys 0 .. its position, nothing stale
+            out = live_attention(
+                q, self.k_cache[layer], self.v_cache[layer], self.block_table[slot : slot + B], start, self.scaling
+            )
+            return attn.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
         k_cache, v_cache = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
-        if self.attention == "sdpa":
+        if self.attention != "matmul":
             out = F.scaled_dot_product_attention(
                 q, k_cache, v_cache, attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads
             )

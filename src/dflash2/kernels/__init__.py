@@ -1,0 +1,1 @@
+"""Hand-written GPU kernels, each with the plain torch reference it is tested against."""
