@@ -679,6 +679,59 @@ def stage_engine(args) -> None:
         (OUT / "engine.json").write_text(json.dumps(report, indent=1))
 
 
+def stage_steps(args) -> None:
+    """Each captured graph of the static runner alone (median of 100 synchronised replays): draft
+    block + selector, and verify (target forward + latents + verifier), greedy and sampled (T=1,
+    top-p 0.95, block verification), width 5 and 1, by batch, for both attention backends. A
+    random SmolLM2-shaped target with the shipped drafter, rows at ~300 positions; no stash."""
+    import torch
+    import transformers as tf
+    from dflash2.engine.graph_runner import GraphModelRunner
+    from dflash2.engine.request import Request
+    from dflash2.engine.steps import BatchSampling
+    from dflash2.model.checkpoint import load_draft
+    from dflash2.target import TargetModel
+
+    info = env_report()
+    dev = args.graph_device
+    draft = load_draft(ROOT / "models" / "smollm2-135m-dflash2", device=dev, dtype=torch.bfloat16).eval()
+    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    target = TargetModel(tf.LlamaForCausalLM(cfg).to(dev, torch.bfloat16), layer_ids=draft.config.target_layer_ids)
+    prompt = torch.randint(100, 40000, (300,)).tolist()
+    times: dict = {}
+    n = 100 if dev == "cuda" else 2
+    for attention in ("sdpa", "live") if dev == "cuda" else ("sdpa",):
+        for B in [int(b) for b in args.concurrency.split(",")]:
+            runner = GraphModelRunner(target, draft, 5, B, 1088, cuda_graph=dev == "cuda", block_verification=True,
+                                      attention=attention, verify_widths=(1,))  # fmt: skip
+            reqs = [Request(prompt[: 300 - b], None) for b in range(B)]
+            for r in reqs:
+                runner.prefill(r)
+                r.output_ids.append(r.prompt_ids[-1])
+            f32 = dict(dtype=torch.float32, device=dev)
+            sampling = BatchSampling(
+                torch.ones(B, **f32), torch.full((B,), -1, dtype=torch.long, device=dev),
+                torch.full((B,), 0.95, **f32), torch.zeros(B, **f32),
+                torch.rand(B, 4, **f32), torch.rand(B, 4, **f32), torch.rand(B, **f32),
+            )  # fmt: skip
+            runner._load(reqs, sampling)
+            for greedy in (True, False):
+                for kind, w in (("draft", 5), ("verify", 5), ("verify", 1)):
+                    step, _ = runner._graph(kind, B, greedy, 1088, w)
+                    key = f"{attention} B{B} {'greedy' if greedy else 'T=1'} {kind} w{w}"
+                    times[key] = round(replay_ms(step, n), 3)
+                    runner.start[:B] = 300  # the verify graph moves positions on
+            del runner
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    for k, v in times.items():
+        log(f"  {k:<36} {v:.3f} ms")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "steps.json").write_text(json.dumps({"env": info, "replay_ms": times}, indent=1))
+
+
 def stage_hardening(args) -> None:
     """Issue 19 on the GPU, no stash: the engine's CUDA-graph runner with chunked prefill (greedy
     fp32 output against Hugging Face's greedy, prompts longer than a chunk) and with a drafter holding
@@ -926,7 +979,9 @@ def stage_attn(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("stage", choices=["stash", "prepare", "train", "bench", "graphs", "engine", "attn", "hardening"])
+    ap.add_argument(
+        "stage", choices=["stash", "prepare", "train", "bench", "graphs", "engine", "attn", "hardening", "steps"]
+    )
     ap.add_argument("--attn-shapes", default="smollm2,llama8b", help="attn: random targets of these shapes timed")
     ap.add_argument(
         "--attention-backends", default="auto", help="engine: every row once per backend, e.g. torch_native,triton"
@@ -995,6 +1050,7 @@ def main() -> None:
         "engine": stage_engine,
         "attn": stage_attn,
         "hardening": stage_hardening,
+        "steps": stage_steps,
     }[args.stage](args)
 
 

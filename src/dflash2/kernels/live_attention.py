@@ -106,6 +106,8 @@ def live_attention(
         *o_part.stride()[:4], *lse_part.stride()[:3],
         scale, L, KV, G, M,
         PAGE=P, NSPLIT=n_split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d,
+        # float32 stays float32 (tl.dot's default is TF32, which moved fp32 logits by 0.06 on the H200)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     _merge_kernel[(B * KV,)](
         o_part, lse_part, out,
@@ -125,6 +127,7 @@ if triton is not None:
         so_b, so_h, so_s, so_m, sl_b, sl_h, sl_s,
         scale, L, KV, G, M,
         PAGE: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         bh, split = tl.program_id(0), tl.program_id(1)
         b, kvh = bh // KV, bh % KV
@@ -161,13 +164,13 @@ if triton is not None:
                 mask=k_ok[:, None],
                 other=0.0,
             )
-            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         safe = tl.where(l_i > 0, l_i, 1.0)
         o_ptr = O_PART + b * so_b + kvh * so_h + split * so_s + rows[:, None] * so_m + dd[None, :]
