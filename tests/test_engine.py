@@ -101,7 +101,7 @@ def test_static_runner_greedy_equals_target(arch, width):
     eng, reqs = _run(t, draft, prompts, "static", width=width if draft is not None else 2)
     for p, r in zip(prompts, reqs):
         assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
-    assert eng.runner.occupant == [] and eng.runner.kv.num_free == eng.runner.kv.num_blocks == 3
+    assert eng.runner.occupant == [] and eng.runner.kv.num_free == eng.runner.kv.num_blocks == 3 * 3  # pages of 64
 
 
 @pytest.mark.parametrize("block", [False, True])
@@ -128,15 +128,15 @@ def test_mixed_batch_greedy_rows_equal_target(llama):
 
 
 def test_preemption_and_slot_moves(llama):
-    """A paged KV budget too small for all three running requests: the newest is preempted and
-    re-prefilled later. The static runner's budget is its slots (the page budget does not apply), so
-    nothing is preempted there; finished requests' slots are refilled by moving the last one."""
+    """A KV budget too small for all three running requests: the newest is preempted and
+    re-prefilled later, in both runners (pages of 8 in the paged one, of 64 in the static one: 3
+    pages, and a request takes 2); finished requests' slots are refilled by moving the last one."""
     t, d = llama
     prompts = _prompts(9, seed=5)
     eng, paged = _run(t, d, prompts, "paged", max_total_tokens=96, max_new=(40, 33, 45))
     assert eng.stats.preemptions > 0
-    eng, reqs = _run(t, d, prompts, "static", max_total_tokens=96, max_new=(40, 33, 45))
-    assert eng.stats.preemptions == 0 and eng.pool_usage() == (0, 3)
+    eng, reqs = _run(t, d, prompts, "static", max_total_tokens=192, max_new=(40, 33, 45))
+    assert eng.runner.paged and eng.stats.preemptions > 0 and eng.pool_usage() == (0, 3)
     for p, r, q in zip(prompts, reqs, paged):
         assert r.output_ids == q.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
     # the draft saw the same context in both runners, re-prefilled or not: the same drafts were accepted
@@ -155,6 +155,25 @@ def test_release_keeps_slots_contiguous(llama):
     assert torch.equal(runner.static.k_cache[:, 0, :, :4], k_last)
     runner.release(reqs[1])
     assert runner.occupant == [reqs[2]]
+
+
+def test_paged_slots_move_tables_not_data(llama):
+    """Paged static runner: a moved request keeps its pages (its table row moves), a freed slot's
+    table points at the scratch page, and the KV written through the tables is the slot's own."""
+    t, d = llama
+    runner = GraphModelRunner(t, d, 5, num_slots=3, max_len=130, cuda_graph=False, page_size=64, num_pages=6)
+    reqs = [Request([5 + i, 6, 7, 8 + i], SamplingParams()) for i in range(3)]
+    for r in reqs:
+        runner.kv.grow(r, 70)  # two pages each, as the scheduler reserves them
+        runner.prefill(r)
+    pages = [list(r.block_table) for r in reqs]
+    assert sorted(sum(pages, [])) == list(range(6))
+    k_last = runner.static.k_cache[:, pages[2][0], :, :4].clone()
+    runner.release(reqs[0])
+    assert runner.occupant == [reqs[2], reqs[1]] and reqs[2].slot == 0
+    scratch = runner.static.scratch  # 6: the pool's extra page; a table has 3 entries (130 positions)
+    assert runner.tables[0].tolist() == pages[2] + [scratch] and runner.tables[2].tolist() == [scratch] * 3
+    assert torch.equal(runner.static.k_cache[:, pages[2][0], :, :4], k_last)  # nothing copied
 
 
 @pytest.mark.parametrize("runner", ["paged", "static"])

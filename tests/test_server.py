@@ -231,9 +231,8 @@ def test_disconnects_and_preemption_leave_pool_full(server):
             break
         time.sleep(0.2)
     assert m["dflash2_kv_blocks_used"] == 0
-    # paged: 8 x (prompt + 80) tokens cannot fit 384 KV tokens at once; the static runner's budget is its slots
-    paged = httpx.get(url + "/server_info", timeout=60).json()["model_runner"] == "paged"
-    assert (m["dflash2_preemptions_total"] > 0) == paged
+    # 8 x (prompt + 80) tokens cannot fit 384 KV tokens at once (pages of 8, or the static runner's of 64)
+    assert m["dflash2_preemptions_total"] > 0
 
 
 def test_generate_meta_metrics_and_usage_agree(server):

@@ -94,6 +94,7 @@ class EngineConfig:
         parse_schedule(self.speculative_width_schedule, self.num_draft_tokens)
 
 
+GRAPH_PAGE = 64  # the static runner's page: the live kernel's key tile
 ATTENTION_BACKENDS = {"auto": None, "triton": "live", "torch_native": "sdpa"}  # flag -> StaticTarget's name
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 300.0)
 
@@ -171,14 +172,24 @@ class LLMEngine:
         static = cfg.runner == "static" or (
             cfg.runner == "auto" and (one_slot or cuda_graphs_apply(target, cfg.disable_cuda_graph))
         )
+        # several slots share a pool of pages (the KV budget, --max-total-tokens); one slot holds its context
+        page = cfg.page_size if cfg.page_size % GRAPH_PAGE == 0 else GRAPH_PAGE
+        per_slot = -(-max_len // page)
+        pages = (
+            None
+            if cfg.max_running_requests == 1
+            else min(cfg.max_total_tokens // page, cfg.max_running_requests * per_slot)
+        )
+        if pages is not None and pages < 1:
+            raise ValueError(f"KV budget {cfg.max_total_tokens} tokens is smaller than one page of {page}")
         if static and cfg.runner == "auto" and target.device.type == "cuda":
-            need = static_bytes(target, self.draft, cfg.max_running_requests, max_len)
+            positions = max_len if pages is None else pages * page
+            need = static_bytes(target, self.draft, 1, positions)
             free = torch.cuda.mem_get_info()[0]
             if need > free // 2:
                 warnings.warn(
-                    f"CUDA graphs off: {cfg.max_running_requests} slots of {max_len} positions need "
-                    f"{need / 2**30:.1f} GiB ({free / 2**30:.1f} free); lower --context-length or "
-                    f"--max-running-requests"
+                    f"CUDA graphs off: a KV pool of {positions} positions needs {need / 2**30:.1f} GiB "
+                    f"({free / 2**30:.1f} free); lower --max-total-tokens or --context-length"
                 )
                 static = False
         if not static and cfg.attention_backend == "triton":
@@ -197,6 +208,8 @@ class LLMEngine:
                 block_verification=cfg.block_verification,
                 verify_widths=(1,) if self.planner.can_pick(1) else (),
                 attention=ATTENTION_BACKENDS[cfg.attention_backend],
+                page_size=None if pages is None else page,
+                num_pages=pages,
             )
         pool = BlockManager(cfg.max_total_tokens // cfg.page_size, cfg.page_size)
         return ModelRunner(target, self.draft, pool, self.width, cfg.block_verification)

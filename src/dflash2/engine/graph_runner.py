@@ -29,7 +29,7 @@ from ..model.attention import build_block_mask
 from ..target import TargetModel
 from ..target.static_llama import StaticTarget, unsupported_reason
 from . import steps
-from .block_manager import SlotManager
+from .block_manager import BlockManager, SlotManager
 from .request import Request, prefill_ids
 from .steps import BatchSampling, StepOutput
 
@@ -91,7 +91,8 @@ def cuda_graphs_apply(target: TargetModel, disable_cuda_graph: bool = False) -> 
 
 
 def static_bytes(target: TargetModel, draft, slots: int, max_len: int) -> int:
-    """Memory the slot buffers take: target K and V plus the draft's latents, per position."""
+    """Memory the buffers take: target K and V plus the draft's latents, per position, for ``slots``
+    slots of ``max_len`` positions (paged: pages x page size as ``slots x max_len``)."""
     per_pos = target.kv_bytes_per_token
     if draft is not None:
         d = draft.config
@@ -112,7 +113,12 @@ class GraphModelRunner:
         attention: str | None = None,
         kv_buckets: tuple[int, ...] | None = None,
         verify_widths: tuple[int, ...] = (),
+        page_size: int | None = None,
+        num_pages: int | None = None,
     ):
+        """``page_size`` / ``num_pages``: KV (target and draft) in a pool of pages that requests
+        take as they grow (the scheduler's :class:`BlockManager`), read through per-slot block tables
+        on the device; without them each slot holds ``max_len`` positions (the one-slot engine)."""
         self.target, self.draft, self.w, self.max_len = target, draft, width, max_len
         # the widths a step may verify (the planner's choices): the full one, and 1 = the target alone
         self.verify_widths = tuple(sorted(set(verify_widths) | {width}))
@@ -125,11 +131,23 @@ class GraphModelRunner:
             raise ValueError(
                 "--attention-backend triton: Triton cannot run on this device (CUDA, or TRITON_INTERPRET=1 on the CPU)"
             )
-        self.static = StaticTarget(target, max_len, slots=num_slots, attention=attention)
+        self.static = StaticTarget(target, max_len, num_slots, attention, page_size, num_pages)
         self.static.check()  # refuse a layout the hand-written forward does not reproduce
         dev = target.device
         self.use_graph = cuda_graph and dev.type == "cuda"
-        self.kv = SlotManager(num_slots, max_len)
+        st = self.static
+        self.paged, self.page = st.paged, st.page_size
+        self.kv: BlockManager | SlotManager = (
+            BlockManager(st.scratch, st.page_size) if st.paged else SlotManager(num_slots, max_len)
+        )
+        # each slot's pages (slot mode: slot s is page s); rows past a request's pages, and idle
+        # slots, point at the scratch page, where idle rows' writes land
+        self.tables = (
+            torch.full((num_slots, st.max_pages), st.scratch, dtype=torch.int32, device=dev)
+            if st.paged
+            else torch.arange(num_slots, dtype=torch.int32, device=dev)[:, None]
+        )
+        self.synced = [0] * num_slots  # table entries written per slot
         self.buckets = [b for b in BUCKETS if b < num_slots] + [num_slots]
         kv_buckets = kv_buckets or (KV_BUCKETS if self.use_graph else KV_BUCKETS_EAGER)
         self.kv_buckets = sorted({b for b in kv_buckets if b < max_len} | {max_len})
@@ -157,8 +175,13 @@ class GraphModelRunner:
         if draft is not None:
             d = draft.config
             p = next(draft.parameters())
-            self.lat = torch.zeros(
-                d.num_hidden_layers, num_slots, max_len, d.kv_lora_rank + d.qk_rope_head_dim, dtype=p.dtype, device=dev
+            self.lat = torch.zeros(  # the draft's latents, in the same pages as the target's K/V
+                d.num_hidden_layers,
+                st.k_cache.shape[1],
+                st.page_size,
+                d.kv_lora_rank + d.qk_rope_head_dim,
+                dtype=p.dtype,
+                device=dev,
             )
             self.ctx_pos = torch.arange(max_len, **lng)[None]
         self.pool = torch.cuda.graph_pool_handle() if self.use_graph else None
@@ -238,15 +261,34 @@ class GraphModelRunner:
         req.slot = None
         if s != last:  # keep occupied slots contiguous: the last occupant moves into the hole
             mover = self.occupant[last]
-            n = min(mover.num_committed + self.w, self.max_len)
-            for cache in (self.static.k_cache, self.static.v_cache):
-                cache[:, s, :, :n] = cache[:, last, :, :n]
-            if self.draft is not None:
-                self.lat[:, s, :n] = self.lat[:, last, :n]
+            if self.paged:  # its pages stay; its table moves
+                self.tables[s], self.synced[s] = self.tables[last], self.synced[last]
+            else:
+                n = min(mover.num_committed + self.w, self.max_len)
+                for cache in (self.static.k_cache, self.static.v_cache):
+                    cache[:, s, :, :n] = cache[:, last, :, :n]
+                if self.draft is not None:
+                    self.lat[:, s, :n] = self.lat[:, last, :n]
             self.occupant[s], mover.slot = mover, s
             self.stale.add(s)
+        if self.paged:  # the freed slot's rows write to the scratch page from now on
+            self.tables[last], self.synced[last] = self.static.scratch, 0
         self.stale.discard(last)
         self.occupant.pop()
+
+    def _sync_table(self, req: Request) -> None:
+        """The request's pages (the scheduler grows ``req.block_table``) into its slot's device table."""
+        s, n = req.slot, len(req.block_table)
+        assert s is not None
+        if self.paged and n != self.synced[s]:
+            if n > self.static.max_pages:
+                raise MemoryError(f"{n} pages exceed the {self.static.max_pages} a slot's table holds")
+            self.tables[s, :n] = torch.tensor(req.block_table, dtype=torch.int32, device=self.tables.device)
+            self.synced[s] = n
+
+    def _at(self, B: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page and offset of positions ``pos [B, n]`` of slots ``0 .. B-1``."""
+        return self.tables[:B].gather(1, pos // self.page).long(), pos % self.page
 
     # ---- the captured functions ---------------------------------------------------------------
     def _graph(self, kind: str, B: int, greedy: bool, kv_len: int, width: int = 0) -> tuple[Replay, dict]:
@@ -275,11 +317,11 @@ class GraphModelRunner:
         return BatchSampling(*(c[:, :g] if c.dim() == 2 and g is not None else c for c in cols))
 
     def _verify_fn(self, B: int, greedy: bool, kv_len: int, out: dict, w: int) -> None:
-        logits, feats = self.static.forward(self.ids[:B, :w], self.start[:B], kv_len=kv_len)
+        logits, feats = self.static.forward(self.ids[:B, :w], self.start[:B], kv_len=kv_len, tables=self.tables[:B])
         if self.draft is not None:  # every row's latent at its position (rows past the accepted ones stay masked)
             pos = self.start[:B, None] + self.ar[:w]
-            rows = torch.arange(B, device=pos.device)[:, None].expand_as(pos)
-            self.lat[:, rows, pos] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
+            page, off = self._at(B, pos)
+            self.lat[:, page, off] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
         res = steps.accept(
             logits,
             self.ids[:B, 1:w],
@@ -303,8 +345,7 @@ class GraphModelRunner:
         q_pos = apos[:, None] + self.ar
         W = min(d.config.sliding_window, kv_len)
         ctx_pos = apos[:, None] - W + self.ctx_pos[:, :W]  # [B, W]; negative before the prompt's start
-        rows = torch.arange(B, device=apos.device)[:, None]
-        ctx = self.lat[:, rows, ctx_pos.clamp(min=0)]  # [layers, B, W, latent]
+        ctx = self.lat[(slice(None), *self._at(B, ctx_pos.clamp(min=0)))]  # [layers, B, W, latent]
         mask = build_block_mask(
             q_pos,
             apos[:, None].expand(B, w),
@@ -337,17 +378,22 @@ class GraphModelRunner:
             self.occupant.append(req)
         s = req.slot
         assert s is not None
+        self._sync_table(req)
         self.start[s] = len(ids)
         chunk = ids[p : p + (max_tokens or len(ids))]
+        table = self.tables[s : s + 1]
         logits, feats = self.static.forward(
-            torch.tensor(chunk, device=dev),
-            torch.full((), p, dtype=torch.long, device=dev),
-            slot=s,
+            torch.tensor(chunk, device=dev)[None],
+            torch.full((1,), p, dtype=torch.long, device=dev),
+            slot=s,  # slot mode reads slot s's buffer directly
             kv_len=p + len(chunk),
+            tables=table,
         )
+        logits, feats = logits[0], feats[0]
         if self.draft is not None:
             pos = torch.arange(p, p + len(chunk), device=dev)
-            self.lat[:, s, p : p + len(chunk)] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
+            page, off = table[0, pos // self.page].long(), pos % self.page
+            self.lat[:, page, off] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
         req.prefill_pos = req.num_committed = p + len(chunk)
         self.stale.add(s)
         return logits[-1] if req.prefill_pos == len(ids) else None
@@ -356,6 +402,8 @@ class GraphModelRunner:
         """The anchor and position of each stale slot (a new request, or one moved), and every
         request's sampling rows, into the slot buffers."""
         idx, B, kv_len = self._index(reqs)
+        for r in reqs:
+            self._sync_table(r)
         stale = [r for r in reqs if r.slot in self.stale]
         if stale:
             dev = self.ids.device

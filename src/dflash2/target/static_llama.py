@@ -48,9 +48,24 @@ def unsupported_reason(target: TargetModel) -> str | None:
 class StaticTarget:
     """``forward(ids [L], start [] long tensor) -> (logits [L, V] fp32, features [L, K*H])`` with
     ``start`` a device tensor, so one captured graph serves every position; or batched,
-    ``ids [B, L]`` and ``start [B]`` over slots ``slot .. slot+B-1``, each row at its own position."""
+    ``ids [B, L]`` and ``start [B]`` over slots ``slot .. slot+B-1``, each row at its own position.
 
-    def __init__(self, target: TargetModel, max_len: int, slots: int = 1, attention: str = "sdpa"):
+    The cache is a pool of pages ``[layers, pages, kv_heads, page_size, head_dim]`` read through
+    block tables ``[B, max_pages]`` (device tensors, so a graph replays whatever pages a row holds).
+    Without ``page_size`` each slot is one page of ``max_len`` positions and row ``b`` of slot
+    ``s`` reads page ``s`` (the one-slot batch-1 engine: plain views, no gather); with it, the
+    pool has ``num_pages`` pages plus one scratch page (:attr:`scratch`) that idle rows write to,
+    and the caller passes each row's table."""
+
+    def __init__(
+        self,
+        target: TargetModel,
+        max_len: int,
+        slots: int = 1,
+        attention: str = "sdpa",
+        page_size: int | None = None,
+        num_pages: int | None = None,
+    ):
         reason = unsupported_reason(target)
         if reason:
             raise ValueError(f"static forward does not support {reason}")
@@ -66,26 +81,51 @@ class StaticTarget:
         self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.slots = slots
         buf_len = -(-max_len // PAGE_ALIGN) * PAGE_ALIGN
-        shape = (len(self.inner.layers), slots, self.n_kv, buf_len, self.head_dim)
+        self.paged = page_size is not None
+        if page_size is not None:
+            if page_size % PAGE_ALIGN:
+                raise ValueError(f"page size {page_size} must be a multiple of {PAGE_ALIGN}")
+            if not num_pages:
+                raise ValueError("a paged static cache needs num_pages")
+            self.page_size, self.scratch = page_size, num_pages
+            pages = num_pages + 1
+        else:
+            self.page_size, self.scratch, pages = buf_len, -1, slots
+        self.max_pages = -(-buf_len // self.page_size)
+        shape = (len(self.inner.layers), pages, self.n_kv, self.page_size, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=target.dtype, device=dev)
         self.v_cache = torch.zeros(shape, dtype=target.dtype, device=dev)
         self.kv_index = torch.arange(buf_len, device=dev)
-        # the live kernel reads a slot buffer as a paged cache of one page per slot
-        self.block_table = torch.arange(slots, dtype=torch.int32, device=dev)[:, None]
+        # slot mode: slot s is page s; paged: the caller's tables (this one serves check())
+        self.block_table = (
+            torch.arange(slots, dtype=torch.int32, device=dev)[:, None]
+            if not self.paged
+            else torch.arange(self.max_pages, dtype=torch.int32, device=dev).clamp_(max=num_pages - 1)[None]
+        )
         self.neg = torch.finfo(target.dtype).min
 
     @torch.no_grad()
     def forward(
-        self, ids: torch.Tensor, start: torch.Tensor, slot: int = 0, kv_len: int | None = None
+        self,
+        ids: torch.Tensor,
+        start: torch.Tensor,
+        slot: int = 0,
+        kv_len: int | None = None,
+        tables: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv_len``: attend over the first ``kv_len`` positions only (every query row of interest
         must lie below it; rows are still written at their positions in the full buffer). With
         ``attention="live"`` a decode or verify block reads only each row's live keys, whatever
-        ``kv_len``; a longer chunk (prefill) takes the masked SDPA over ``kv_len``."""
+        ``kv_len``; a longer chunk (prefill) takes the masked SDPA over ``kv_len``. ``tables``:
+        each row's pages (default: slots ``slot .. slot+B-1`` of slot mode, or check()'s table; in
+        slot mode they must be those slots' pages, which the masked SDPA reads as views)."""
         if ids.dim() == 1:
-            logits, feats = self.forward(ids[None], start.view(1), slot, kv_len)
+            t = None if tables is None else tables.view(1, -1)
+            logits, feats = self.forward(ids[None], start.view(1), slot, kv_len, t)
             return logits[0], feats[0]
         B, L = ids.shape
+        if tables is None:
+            tables = self.block_table[slot : slot + B] if not self.paged else self.block_table.expand(B, -1)
         pos = start[:, None] + self.kv_index[:L]  # [B, L]
         live = self.attention == "live" and L * (self.n_heads // self.n_kv) <= LIVE_MAX_ROWS
         mask = None
@@ -93,13 +133,12 @@ class StaticTarget:
             # additive mask: key j is visible to the query at position p iff j <= p (stale rows are > p)
             kv_index = self.kv_index[:kv_len]
             mask = torch.where(kv_index <= pos[..., None], 0.0, self.neg).to(self.target.dtype)[:, None]
-        rows = torch.arange(B, device=ids.device)[:, None].expand(B, L)
         x = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(x, pos)
         feats = {}
         for i, layer in enumerate(self.inner.layers):
             x = x + self._attention(
-                layer.self_attn, layer.input_layernorm(x), cos, sin, rows, pos, mask, i, slot, start, kv_len
+                layer.self_attn, layer.input_layernorm(x), cos, sin, pos, mask, i, slot, start, kv_len, tables
             )
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in self.target.layer_ids:
@@ -108,7 +147,7 @@ class StaticTarget:
         feats = torch.cat([feats[i] for i in self.target.layer_ids], -1) if feats else x.new_empty(B, L, 0)
         return logits, feats
 
-    def _attention(self, attn, h, cos, sin, rows, pos, mask, layer, slot, start, kv_len):
+    def _attention(self, attn, h, cos, sin, pos, mask, layer, slot, start, kv_len, tables):
         B, L = h.shape[:2]
         q = attn.q_proj(h).view(B, L, self.n_heads, self.head_dim)
         k = attn.k_proj(h).view(B, L, self.n_kv, self.head_dim)
@@ -116,15 +155,21 @@ class StaticTarget:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         v = attn.v_proj(h).view(B, L, self.n_kv, self.head_dim)
-        k_cache, v_cache = self.k_cache[layer, slot : slot + B], self.v_cache[layer, slot : slot + B]
-        k_cache[rows, :, pos] = k.transpose(1, 2)  # row b's tokens at its positions
-        v_cache[rows, :, pos] = v
+        # row b's tokens at its positions, through its table
+        page, off = tables.gather(1, pos // self.page_size).long(), pos % self.page_size
+        self.k_cache[layer, page, :, off] = k.transpose(1, 2)
+        self.v_cache[layer, page, :, off] = v
         if mask is None:  # live: the kernel reads each row's keys 0 .. its position, nothing stale
-            out = live_attention(
-                q, self.k_cache[layer], self.v_cache[layer], self.block_table[slot : slot + B], start, self.scaling
-            )
+            out = live_attention(q, self.k_cache[layer], self.v_cache[layer], tables, start, self.scaling)
             return attn.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
-        k_cache, v_cache = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+        n = kv_len or self.kv_index.shape[0]
+        if self.paged:  # the row's pages gathered into one sequence
+            pages = tables[:, : -(-n // self.page_size)].long()
+            k_cache = self.k_cache[layer, pages].transpose(1, 2).flatten(2, 3)[:, :, :n]
+            v_cache = self.v_cache[layer, pages].transpose(1, 2).flatten(2, 3)[:, :, :n]
+        else:  # slot mode: views of slots slot .. slot+B-1
+            k_cache = self.k_cache[layer, slot : slot + B, :, :n]
+            v_cache = self.v_cache[layer, slot : slot + B, :, :n]
         if self.attention != "matmul":
             out = F.scaled_dot_product_attention(
                 q, k_cache, v_cache, attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads
