@@ -541,7 +541,7 @@ def stage_graphs(args) -> None:
             temperatures=(0.0,),
             max_new_tokens=args.graph_tokens,
             verifies=("token",),
-            disable_cuda_graph=True,
+            engine_kw={"disable_cuda_graph": True},
         )
         print("eager (HF), bf16, batch 1\n" + format_table(rows), flush=True)
         report["speed"]["eager"] = [r.__dict__ for r in rows]
@@ -672,7 +672,7 @@ def stage_engine(args) -> None:
             0.0,
             requests_per_slot=1,
             rounds=1,
-            disable_cuda_graph=True,
+            engine_kw={"disable_cuda_graph": True},
         )
         print("engine, eager (paged), bf16, T=0\n" + engine_speed.table(rows), flush=True)
         report["speed"]["eager"] = [r.__dict__ for r in rows]

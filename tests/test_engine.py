@@ -226,3 +226,28 @@ def test_static_runner_kv_buckets(llama, monkeypatch):
         assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
     _, paged = _run(t, d, prompts, "paged", max_new=(40, 9, 30))
     assert [r.accept_hist for r in reqs] == [r.accept_hist for r in paged]
+
+
+def test_static_runner_budget_is_pages(llama):
+    """64 running requests with a 32,768-token context: the static runner holds a pool of pages the
+    size of the KV budget (not 64 slots of the whole context), and serves from it."""
+    t, d = llama
+    eng = LLMEngine(
+        t,
+        d,
+        EngineConfig(
+            max_running_requests=64,
+            num_draft_tokens=5,
+            context_length=32768,
+            max_total_tokens=4096,
+            runner="static",
+            speculative_planner="off",
+        ),
+    )
+    assert eng.runner.paged and eng.runner.static.k_cache.shape[1] == 4096 // 64 + 1  # + the scratch page
+    assert eng.runner.kv.capacity == 4096 and eng.runner.tables.shape == (64, -(-(32768 + 6) // 64))
+    prompts = _prompts(5, seed=9)
+    reqs = [eng.add_request(Request(p.tolist(), SamplingParams(max_new_tokens=12))) for p in prompts]
+    eng.run_until_done()
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == hf_greedy(t, p, 12)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
+
+from .shapes import SHAPES
 
 
 def add_bench_parser(sub) -> None:
@@ -59,12 +62,55 @@ def add_bench_parser(sub) -> None:
         action="store_true",
         help="with --concurrency: each DFlash2 config again with the planner choosing its width per step",
     )
+    s.add_argument(
+        "--target-shape",
+        default=None,
+        choices=sorted(SHAPES),
+        help="a random-weight target of this shape and a random drafter of the published architecture at "
+        "its size, built in process (speed at sizes we cannot download; needs --synthetic-acceptance)",
+    )
+    s.add_argument(
+        "--synthetic-acceptance",
+        default=None,
+        type=rates,
+        help="e.g. 0.92, or one rate per draft position (0.9,0.8,...): the verifier accepts draft position i "
+        "with that probability whatever the target says (vLLM's synthetic method): speed at a chosen "
+        "acceptance profile; NOT the target's output, and every row says 'synthetic'",
+    )
     s.add_argument("--output", default=None)
     s.add_argument("--plot", default=None, help="PNG of speedup against concurrency")
     s.set_defaults(fn=cmd_speed)
     from .acceptance_cli import add_acceptance_parser
 
     add_acceptance_parser(bsub)
+
+
+def rates(value: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(x) for x in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: rates such as 0.92 or 0.9,0.8,0.7") from None
+    if not all(0 <= r <= 1 for r in out):
+        raise argparse.ArgumentTypeError(f"{value!r}: every rate must lie in [0, 1]")
+    return out
+
+
+def shape_models(args):
+    """``--target-shape``: random target and drafter on the run's device and dtype; the tokenizer
+    (for the prompts) from ``--model-path`` or the embedded default."""
+    from transformers import AutoTokenizer
+
+    from ..entry import resolve_device
+    from ..target.loading import default_target_path, resolve_dtype
+    from .shapes import random_models
+
+    if args.synthetic_acceptance is None:
+        raise SystemExit("--target-shape needs --synthetic-acceptance: a random drafter's tokens are never accepted")
+    device = resolve_device(args.device)
+    tok = AutoTokenizer.from_pretrained(args.model_path or default_target_path())
+    width = args.speculative_num_draft_tokens or 5
+    target, draft = random_models(args.target_shape, device, resolve_dtype(args.dtype, device), width, tok)
+    return target, draft, width
 
 
 def speed_configs(args, width: int) -> tuple[list[int], list[str]]:
@@ -86,7 +132,12 @@ def cmd_speed(args) -> int:
     from ..entry import load_models
     from .speed import format_table, gsm8k_test_prompts, save_rows, side_by_side
 
-    target, draft, width = load_models(args)
+    target, draft, width = shape_models(args) if args.target_shape else load_models(args)
+    engine_kw = {
+        "disable_cuda_graph": args.disable_cuda_graph,
+        "attention_backend": args.attention_backend,
+        "synthetic_acceptance": args.synthetic_acceptance,
+    }
     if draft is None:
         raise SystemExit(
             "bench speed compares the target alone with DFlash2: --speculative-algorithm NONE leaves nothing to compare"
@@ -116,8 +167,8 @@ def cmd_speed(args) -> int:
             args.requests_per_slot,
             args.rounds,
             on_level=lambda rows: (print(engine_speed.table(rows), flush=True), engine_speed.save(rows, args.output)),
-            disable_cuda_graph=args.disable_cuda_graph,
             adaptive=args.adaptive,
+            engine_kw={k: v for k, v in engine_kw.items() if k != "attention_backend"},
             attention_backends=(args.attention_backend,),
         )
         engine_speed.save(rows, args.output, args.plot)
@@ -131,8 +182,7 @@ def cmd_speed(args) -> int:
         temperatures=[float(t) for t in args.temperatures.split(",")],
         max_new_tokens=args.max_new_tokens,
         verifies=tuple(verifiers),
-        disable_cuda_graph=args.disable_cuda_graph,
-        attention_backend=args.attention_backend,
+        engine_kw=engine_kw,
     )
     print(format_table(rows))
     if args.output:

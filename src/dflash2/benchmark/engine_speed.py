@@ -46,15 +46,15 @@ def measure(
     temperature: float,
     name: str,
     requests_per_slot: int | None = None,
-    disable_cuda_graph: bool = False,
     engines: dict | None = None,
     planner: str = "off",
     attention_backend: str = "auto",
+    engine_kw: dict | None = None,
 ) -> ConcurrencyRow:
     """One config at one concurrency. ``engines``: engines kept across calls, one per config and
     concurrency, so the warm-up pass and the timed rounds run on the same engine, as a warmed-up
     server would (on CUDA an engine captures its graphs when it is built)."""
-    key = (width if draft is not None else 1, block, concurrency, disable_cuda_graph, planner, attention_backend)
+    key = (width if draft is not None else 1, block, concurrency, planner, attention_backend)
     eng = (engines or {}).get(key)
     if eng is None:
         eng = LLMEngine(
@@ -68,9 +68,9 @@ def measure(
                 max_running_requests=concurrency,
                 block_verification=block,
                 max_total_tokens=max(65536, concurrency * 2048),
-                disable_cuda_graph=disable_cuda_graph,
                 speculative_planner=planner,
                 attention_backend=attention_backend,
+                **(engine_kw or {}),
             ),
         )
         if engines is not None:
@@ -154,9 +154,9 @@ def run(
     rounds: int = 1,
     on_level=None,
     warmup: bool = True,
-    disable_cuda_graph: bool = False,
     adaptive: bool = False,
     attention_backends: tuple[str, ...] = ("auto",),
+    engine_kw: dict | None = None,
 ) -> list[ConcurrencyRow]:
     """Every config at every concurrency, ``rounds`` times. Round k runs the configs in an order
     rotated by k (target included), so no config is always the first after a change: on a lent,
@@ -164,11 +164,13 @@ def run(
     runs after each concurrency level, so a run cut by a time limit keeps the levels it finished.
     ``adaptive``: each DFlash2 config again with the planner choosing its width per step.
     ``attention_backends``: every config (the target too) once per backend, each speedup against
-    the target on the same backend."""
+    the target on the same backend. ``engine_kw``: further :class:`EngineConfig` fields for every
+    engine (``disable_cuda_graph``, ``synthetic_acceptance``: then every name says "synthetic")."""
     ids = [render(target.tokenizer, p) for p in prompts]
     configs = []
     for a in attention_backends:
         sfx = f" [{a}]" if len(attention_backends) > 1 else ""
+        sfx += " synthetic" if (engine_kw or {}).get("synthetic_acceptance") else ""
         configs += [("target" + sfx, None, 1, False, "off", a)] + [
             (f"dflash2 w={w} {v}{' adaptive' if p == 'auto' else ''}{sfx}", draft, w, v == "block", p, a)
             for p in (("off", "auto") if adaptive else ("off",))
@@ -195,10 +197,10 @@ def run(
                 temperature,
                 "warm-up",
                 requests_per_slot,
-                disable_cuda_graph=disable_cuda_graph,
                 engines=engines,
                 planner=p,
                 attention_backend=a,
+                engine_kw=engine_kw,
             )
         for k in range(rounds):
             for name, d, w, block, p, a in configs[k % len(configs) :] + configs[: k % len(configs)]:
@@ -213,10 +215,10 @@ def run(
                     temperature,
                     name,
                     requests_per_slot,
-                    disable_cuda_graph=disable_cuda_graph,
                     engines=engines,
                     planner=p,
                     attention_backend=a,
+                    engine_kw=engine_kw,
                 )
                 row.round_slots, slot = [slot], slot + 1
                 done[name].append(row)

@@ -75,14 +75,15 @@ def side_by_side(
     temperatures=(0.0, 1.0),
     max_new_tokens: int = 256,
     verifies=("token",),
-    disable_cuda_graph: bool = False,
-    attention_backend: str = "auto",
+    engine_kw: dict | None = None,
 ) -> list[SpeedRow]:
     """The target alone and every (width, verifier), batch 1: each through an engine with one slot
     (static buffers, CUDA graphs on CUDA, the target alone included, so both sides get the same
     treatment). Paired: each prompt runs every config back to back, in an order rotated per prompt,
     so a drift of the machine's speed (seen at 10-20% on the CPU VM) hits all configs alike instead
-    of whichever ran in that stretch. Speedup is tokens/s over the target's, same prompts and seeds."""
+    of whichever ran in that stretch. Speedup is tokens/s over the target's, same prompts and seeds.
+    ``engine_kw``: further :class:`EngineConfig` fields for every engine (``disable_cuda_graph``,
+    ``attention_backend``, ``synthetic_acceptance``)."""
     prompt_ids = [render(target.tokenizer, p) for p in prompts]
     longest = max(len(x) for x in prompt_ids) + max_new_tokens
     rows: list[SpeedRow] = []
@@ -93,7 +94,8 @@ def side_by_side(
         for w in widths:
             for v in verifies:
                 vm = "greedy" if temp == 0 and v == "token" else v
-                configs.append((f"dflash2 w={w} {vm} T={temp}", draft, w, vm))
+                sfx = " synthetic" if (engine_kw or {}).get("synthetic_acceptance") else ""
+                configs.append((f"dflash2 w={w} {vm} T={temp}{sfx}", draft, w, vm))
         tally = {name: _Tally(name, w if d is not None else 1, vm, temp) for name, d, w, vm in configs}
 
         def generate(d, w, vm, ids, sp):
@@ -109,10 +111,9 @@ def side_by_side(
                         context_length=longest + 1,
                         max_running_requests=1,
                         block_verification=vm == "block",
-                        disable_cuda_graph=disable_cuda_graph,
-                        attention_backend=attention_backend,
                         speculative_planner="off",  # each row is its width
                         chunked_prefill_size=-1,
+                        **(engine_kw or {}),
                     ),
                 )
             return engines[key].generate([ids], sp)[0]

@@ -60,6 +60,9 @@ class EngineConfig:
     # SGLang's flag: the static runner's target attention. triton: the live-KV kernel (reads each row's
     # live keys only); torch_native: masked SDPA over a buffer prefix; auto: triton on CUDA
     attention_backend: str = "auto"
+    # benchmarks only (bench speed), NOT lossless: accept draft position i with probability rates[i]
+    # (one value: every position) whatever the target says, as vLLM's synthetic rejection method
+    synthetic_acceptance: tuple[float, ...] | None = None
 
     @classmethod
     def for_models(cls, target, draft, width: int, context_length: int | None = None, **fields) -> "EngineConfig":
@@ -89,6 +92,14 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
+        rates = self.synthetic_acceptance
+        if rates is not None and (
+            not rates or any(not 0 <= r <= 1 for r in rates) or len(rates) not in (1, self.num_draft_tokens - 1)
+        ):
+            raise ValueError(
+                f"--synthetic-acceptance: one rate in [0, 1], or one per draft position "
+                f"({self.num_draft_tokens - 1}), got {rates}"
             )
         PlannerConfig(mode=self.speculative_planner)  # checks the name
         parse_schedule(self.speculative_width_schedule, self.num_draft_tokens)
@@ -183,13 +194,18 @@ class LLMEngine:
         if pages is not None and pages < 1:
             raise ValueError(f"KV budget {cfg.max_total_tokens} tokens is smaller than one page of {page}")
         if static and cfg.runner == "auto" and target.device.type == "cuda":
-            positions = max_len if pages is None else pages * page
-            need = static_bytes(target, self.draft, 1, positions)
-            free = torch.cuda.mem_get_info()[0]
-            if need > free // 2:
+            # the buffers take at most half the free memory (the rest: graphs, activations, the
+            # sampler's [batch, width, vocab] rows); a page pool shrinks to fit, one slot must fit whole
+            free, per_pos = torch.cuda.mem_get_info()[0], static_bytes(target, self.draft, 1, 1)
+            fit = free // 2 // per_pos
+            if pages is not None and fit >= page:
+                if pages * page > fit:
+                    warnings.warn(f"KV pool capped at {fit // page} pages of {page} (half the free memory)")
+                pages = min(pages, fit // page)
+            elif (max_len if pages is None else page) > fit:
                 warnings.warn(
-                    f"CUDA graphs off: a KV pool of {positions} positions needs {need / 2**30:.1f} GiB "
-                    f"({free / 2**30:.1f} free); lower --max-total-tokens or --context-length"
+                    f"CUDA graphs off: {max_len if pages is None else page} positions of KV need "
+                    f"{per_pos * max_len / 2**30:.1f} GiB ({free / 2**30:.1f} free); lower --context-length"
                 )
                 static = False
         if not static and cfg.attention_backend == "triton":
@@ -210,9 +226,10 @@ class LLMEngine:
                 attention=ATTENTION_BACKENDS[cfg.attention_backend],
                 page_size=None if pages is None else page,
                 num_pages=pages,
+                synthetic_acceptance=cfg.synthetic_acceptance,
             )
         pool = BlockManager(cfg.max_total_tokens // cfg.page_size, cfg.page_size)
-        return ModelRunner(target, self.draft, pool, self.width, cfg.block_verification)
+        return ModelRunner(target, self.draft, pool, self.width, cfg.block_verification, cfg.synthetic_acceptance)
 
     # ---- API (any thread) -------------------------------------------------------------------
     def add_request(self, req: Request) -> Request:

@@ -115,6 +115,7 @@ class GraphModelRunner:
         verify_widths: tuple[int, ...] = (),
         page_size: int | None = None,
         num_pages: int | None = None,
+        synthetic_acceptance: tuple[float, ...] | None = None,
     ):
         """``page_size`` / ``num_pages``: KV (target and draft) in a pool of pages that requests
         take as they grow (the scheduler's :class:`BlockManager`), read through per-slot block tables
@@ -125,6 +126,7 @@ class GraphModelRunner:
         if any(w not in (1, width) for w in self.verify_widths):
             raise ValueError(f"verify widths must be 1 or {width}, got {verify_widths}")
         self.block = block_verification
+        self.synthetic = steps.synthetic_rates(synthetic_acceptance, width, target.device)  # benchmarks only
         # the target's attention: the live kernel where Triton runs it (CUDA), else the masked SDPA
         attention = attention or ("live" if target.device.type == "cuda" and use_triton(target.device) else "sdpa")
         if attention == "live" and not use_triton(target.device):
@@ -329,6 +331,7 @@ class GraphModelRunner:
             self._rows(B, greedy, w - 1),
             self.block,
             capturable=True,
+            synthetic=None if self.synthetic is None else self.synthetic[: w - 1],
         )
         out["rows"] = steps.result_rows(res)
         # the next step's anchor and position, in place (the host writes them only for stale slots); an

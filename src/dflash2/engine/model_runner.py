@@ -34,9 +34,16 @@ def layer_kv(layer) -> tuple[torch.Tensor, torch.Tensor]:
 
 class ModelRunner:
     def __init__(
-        self, target: TargetModel, draft, block_manager: BlockManager, width: int = 1, block_verification: bool = False
+        self,
+        target: TargetModel,
+        draft,
+        block_manager: BlockManager,
+        width: int = 1,
+        block_verification: bool = False,
+        synthetic_acceptance: tuple[float, ...] | None = None,
     ):
         self.target, self.draft, self.bm = target, draft, block_manager
+        self.synthetic = steps.synthetic_rates(synthetic_acceptance, width, target.device)
         self.kv = block_manager  # what the scheduler admits against: pages of the pool
         self.use_graph = False
         self.w, self.block = width, block_verification
@@ -115,7 +122,11 @@ class ModelRunner:
         t1 = time.perf_counter()
         blocks = torch.cat([anchors[:, None], drafts], dim=1)
         logits, feats, kv = self._forward(reqs, blocks)
-        out = steps.finish_step(steps.result_rows(steps.accept(logits, drafts, q_draft, sampling, self.block)), t0, t1)
+        out = steps.finish_step(
+            steps.result_rows(steps.accept(logits, drafts, q_draft, sampling, self.block, synthetic=self.synthetic)),
+            t0,
+            t1,
+        )
         self._commit(reqs, kv, feats, [len(t) for t in out.tokens])
         return out
 

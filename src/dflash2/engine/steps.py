@@ -15,7 +15,7 @@ import torch
 
 from ..model.context_cache import greedy_walk
 from ..sampling import SamplingParams, probs_from_logits, sample_from_probs
-from ..verification import VerifyResult, block_verify, greedy_verify, token_level_verify
+from ..verification import VerifyResult, block_verify, greedy_verify, synthetic_verify, token_level_verify
 
 VERIFY_METHODS = ("greedy", "token", "block")
 
@@ -210,6 +210,15 @@ def propose(
     return sel.tokens, sel.dense_q(lm_head_weight.shape[0])
 
 
+def synthetic_rates(rates: tuple[float, ...] | None, width: int, device) -> torch.Tensor | None:
+    """``--synthetic-acceptance`` as a device tensor of ``width - 1`` rates (one value repeats)."""
+    if rates is None:
+        return None
+    return torch.tensor(
+        (list(rates) * (width - 1))[: width - 1] if len(rates) == 1 else rates[: width - 1], device=device
+    )
+
+
 def accept(
     logits: torch.Tensor,
     drafts: torch.Tensor,
@@ -217,9 +226,19 @@ def accept(
     sampling: BatchSampling | None,
     block: bool,
     capturable: bool = False,
+    synthetic: torch.Tensor | None = None,
 ) -> VerifyResult:
     """The verifier choice, made here only: over the target's ``logits [B, g+1, V]``, greedy for a
-    greedy batch, else token-level or block verification against the processed ``p_target``."""
+    greedy batch, else token-level or block verification against the processed ``p_target``.
+    ``synthetic`` (per-position acceptance rates, benchmarks only): :func:`synthetic_verify`, after
+    the same target-side work (a sampled batch still processes ``p_target``)."""
+    if synthetic is not None:
+        if sampling is None:
+            u = torch.rand(drafts.shape, device=logits.device)  # graph-safe: CUDA's generator is captured
+            return synthetic_verify(drafts, logits, synthetic, u, None)
+        temperature, top_k, top_p, min_p = sampling.params()
+        p_target = probs_from_logits(logits, temperature, top_k, top_p, min_p, capturable=capturable)
+        return synthetic_verify(drafts, p_target, synthetic, sampling.accept_u, sampling.emit_u)
     if sampling is None:
         return greedy_verify(drafts, logits)
     if q_draft is None:

@@ -1,5 +1,5 @@
 from ..sampling import SamplingParams, probs_from_logits, sample_from_probs
-from .verifiers import VerifyResult, block_verify, greedy_verify, token_level_verify
+from .verifiers import VerifyResult, block_verify, greedy_verify, synthetic_verify, token_level_verify
 
 __all__ = [
     "SamplingParams",
@@ -8,5 +8,6 @@ __all__ = [
     "VerifyResult",
     "greedy_verify",
     "token_level_verify",
+    "synthetic_verify",
     "block_verify",
 ]

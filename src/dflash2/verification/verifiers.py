@@ -128,3 +128,22 @@ def block_verify(
     residual = torch.where(((tau == g) | bad_row)[:, None], p_next, residual)
     bonus = _residual_sample(p_next, residual, emit_uniforms)
     return _assemble(draft_tokens, tau, bonus)
+
+
+def synthetic_verify(
+    draft_tokens: torch.Tensor,
+    p_target: torch.Tensor,
+    rates: torch.Tensor,
+    accept_uniforms: torch.Tensor,
+    emit_uniforms: torch.Tensor | None,
+) -> VerifyResult:
+    """Benchmark only, **not lossless**: draft position ``i`` passes with probability ``rates[i]``
+    (``accept_uniforms [B, g] < rates``) whatever the target says, the accepted prefix ends at the
+    first failure, and the token after it is the target's: drawn from ``p_target`` with
+    ``emit_uniforms``, or its argmax when those are None (``p_target`` may then be logits). vLLM's
+    ``synthetic`` rejection method: the engine runs at a chosen acceptance profile on random weights."""
+    g = draft_tokens.shape[1]
+    n = _first_false(accept_uniforms < rates[:g])
+    rows = p_target[torch.arange(draft_tokens.shape[0], device=n.device), n]
+    bonus = rows.argmax(-1) if emit_uniforms is None else sample_from_probs(rows, emit_uniforms)
+    return _assemble(draft_tokens, n, bonus)

@@ -1,0 +1,62 @@
+"""Random-weight models of real shapes, for speed at sizes we cannot download (``bench speed
+--target-shape``): a Llama-family target built in process from its config, and a drafter of the
+published DFlash2 architecture (``configs/kimi-k3.1-dflash2-preview.json``) at the target's hidden
+size and vocabulary. Timing does not depend on the weights; acceptance does, so these runs take
+``--synthetic-acceptance`` (random drafts are never accepted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+PUBLISHED_DRAFT = Path(__file__).resolve().parents[3] / "configs" / "kimi-k3.1-dflash2-preview.json"
+
+SHAPES: dict[str, dict] = {
+    "smollm2-135m": dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0,
+    ),
+    "llama-1b": dict(  # Llama-3.2-1B
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True, rope_theta=500000.0,
+    ),
+    "llama-8b": dict(  # Llama-3.1-8B
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, rope_theta=500000.0,
+    ),
+}  # fmt: skip
+
+
+def random_models(name: str, device: str, dtype: torch.dtype, width: int, tokenizer, seed: int = 0):
+    """``(target, draft)`` with random weights: the target of shape ``name``, the drafter of the
+    published architecture with its target layer ids scaled to this target's depth."""
+    import torch
+    import transformers as tf
+
+    from ..config import DFlash2Config
+    from ..model import DFlash2DraftModel
+    from ..target import TargetModel
+
+    if name not in SHAPES:
+        raise SystemExit(f"--target-shape {name!r}: known shapes are {', '.join(SHAPES)}")
+    shape = SHAPES[name]
+    layers = shape["num_hidden_layers"]
+    raw = json.loads(PUBLISHED_DRAFT.read_text())
+    published_ids = raw["dflash_config"]["target_layer_ids"]
+    ids = sorted({min(layers - 1, round(i * layers / raw["num_target_layers"])) for i in published_ids})
+    raw.update(hidden_size=shape["hidden_size"], vocab_size=shape["vocab_size"], num_target_layers=layers)
+    raw["dflash_config"].update(target_layer_ids=ids, block_size=width, mask_token_id=shape["vocab_size"] - 1)
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the run's dtype on its device: no float32 copy of 16 GB
+    try:
+        with torch.device(device):
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(max_position_embeddings=131072, **shape)).eval()
+            draft = DFlash2DraftModel(DFlash2Config.from_dict(raw)).init_weights().eval()
+    finally:
+        torch.set_default_dtype(previous)
+    return TargetModel(model, tokenizer, ids), draft
