@@ -210,7 +210,10 @@ def test_step_cost_table_profiles_every_bucket_and_width(llama):
 
     t, d = llama
     table = step_cost_table(t, d, W, 4, context_length=64).splitlines()
-    assert table[0].split()[:4] == ["bucket", f"w={W}", "ms", "w=1"]
-    rows = [line.split() for line in table[1:]]
+    assert table[0].startswith("weight-read floor: target ") and "TB/s copy bandwidth" in table[0]
+    assert table[1].split()[:4] == ["bucket", f"w={W}", "ms", "w=1"]
+    rows = [line.split() for line in table[2:]]
     assert [int(r[0]) for r in rows] == [1, 2, 4]
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
+    # the floor columns are the step times over (weight bytes / bandwidth): far above 1 for a tiny model
+    assert all(float(r[4]) > 1 and float(r[5]) > 1 for r in rows)

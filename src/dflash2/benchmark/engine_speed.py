@@ -290,10 +290,42 @@ def step_cost_table(
         attention=attention,
     )
     costs = runner.profile()
+    # the weight-read floor: every weight read once per step, at the device's measured copy bandwidth
+    bandwidth = copy_bandwidth(target.device)
+    t_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    d_bytes = sum(p.numel() * p.element_size() for p in draft.parameters()) if draft is not None else 0
+    floor_1, floor_w = 1e3 * t_bytes / bandwidth, 1e3 * (t_bytes + d_bytes) / bandwidth
     lines = [
-        f"{'bucket':>7}{f'w={width} ms':>11}{'w=1 ms':>9}{'ratio':>8}   ({'CUDA graphs' if runner.use_graph else 'eager'})"
+        f"weight-read floor: target {t_bytes / 1e9:.2f} GB, drafter {d_bytes / 1e9:.2f} GB at {bandwidth / 1e12:.2f} "
+        f"TB/s copy bandwidth: {floor_1:.3f} ms (w=1), {floor_w:.3f} ms (w={width})",
+        f"{'bucket':>7}{f'w={width} ms':>11}{'w=1 ms':>9}{'ratio':>8}{'w=1/floor':>11}{f'w={width}/floor':>11}"
+        f"   ({'CUDA graphs' if runner.use_graph else 'eager'})",
     ]
     for b in runner.buckets:
         full, plain = 1e3 * costs[(b, width)], 1e3 * costs[(b, 1)]
-        lines.append(f"{b:>7}{full:>11.2f}{plain:>9.2f}{full / plain:>8.2f}")
+        lines.append(
+            f"{b:>7}{full:>11.2f}{plain:>9.2f}{full / plain:>8.2f}{plain / floor_1:>11.2f}{full / floor_w:>11.2f}"
+        )
     return "\n".join(lines)
+
+
+def copy_bandwidth(device, nbytes: int | None = None, repeats: int = 5) -> float:
+    """Bytes per second read + written by ``Tensor.copy_`` of one buffer (the best of ``repeats``)."""
+    import time
+
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    n = nbytes or (1 << 30 if cuda else 1 << 26)
+    x = torch.empty(n, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first is untimed
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        y.copy_(x)
+        if cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n / best
