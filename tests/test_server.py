@@ -282,3 +282,60 @@ def test_unsupported_flags_fail_at_start(models):
         timeout=120,
     )
     assert p.returncode != 0 and "kv-cache-dtype" in p.stderr
+
+
+def test_logprobs_are_the_targets(server):
+    """Each output token's log-probability is the target's log-softmax there (float32), on all three
+    routes; top alternatives come sorted; streams and bad combinations are refused by name."""
+    url, model, tok = server
+    client = _client(url)
+    prompt = "Question 3: what is 3 plus 6?"
+    g = httpx.post(
+        url + "/generate",
+        json={"text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0}, "return_logprob": True,
+              "top_logprobs_num": 2, "return_text_in_logprobs": True},
+        timeout=120,
+    ).json()  # fmt: skip
+    ids, out = tok(prompt)["input_ids"], g["output_ids"]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor([ids + out[:-1]])).logits[0, len(ids) - 1 :].float(), -1)
+    got = g["meta_info"]["output_token_logprobs"]
+    assert [x[1] for x in got] == out and [x[2] for x in got] == [tok.decode([t]) for t in out]
+    assert torch.allclose(torch.tensor([x[0] for x in got]), lp.gather(1, torch.tensor(out)[:, None])[:, 0], atol=1e-4)
+    top = g["meta_info"]["output_top_logprobs"]
+    assert [[x[1] for x in row] for row in top] == lp.topk(2, -1).indices.tolist()
+
+    chat = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for c in content:  # greedy: the chosen token is the most likely one
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-5)
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob >= c.top_logprobs[2].logprob
+        assert bytes(c.bytes).decode("utf-8", "replace") == c.token
+    plain = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": prompt}], max_tokens=10, temperature=0
+    )
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+
+    comp = client.completions.create(model="default", prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
+    lps = comp.choices[0].logprobs
+    assert lps.tokens == [tok.decode([t]) for t in out]
+    assert torch.allclose(torch.tensor(lps.token_logprobs), torch.tensor([x[0] for x in got]), atol=1e-5)
+    assert all(len(d) <= 2 for d in lps.top_logprobs) and lps.text_offset[0] == 0
+
+    for bad, param in (
+        ({"logprobs": True, "stream": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=param):
+            client.chat.completions.create(
+                model="default", messages=[{"role": "user", "content": prompt}], max_tokens=4, **bad
+            )

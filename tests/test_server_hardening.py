@@ -275,7 +275,7 @@ def test_bad_text_and_empty_prompts_are_400(live):
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("logprobs", True),
+        ("logprobs", 3),  # a chat completion takes logprobs as a boolean
         ("top_logprobs", 2),
         ("logit_bias", {"5": 10}),
         ("presence_penalty", 0.5),

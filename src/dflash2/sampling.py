@@ -20,6 +20,9 @@ MAX_TOP_K = 2**31 - 1  # beyond int32 nothing changes (no vocabulary is that lar
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
+MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's top_logprobs bound)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -30,6 +33,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k: each output token's log-probability and the top k (<= 20)
 
     def __post_init__(self):
         def num(x) -> bool:
@@ -54,6 +58,11 @@ class SamplingParams:
                 f"null or an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]",
             ),
             ("stop_token_ids", all(whole(t) and t >= 0 for t in self.stop_token_ids), "non-negative token ids"),
+            (
+                "logprobs",
+                self.logprobs is None or (whole(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                f"null or an integer in [0, {MAX_LOGPROBS}]",
+            ),
         )
         for name, ok, want in checks:
             if not ok:

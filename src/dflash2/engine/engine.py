@@ -28,7 +28,16 @@ from .model_runner import ModelRunner
 from .planner import Planner, PlannerConfig, cached_profile, parse_schedule
 from .request import Request, prefill_ids
 from .scheduler import Scheduler
-from .steps import BatchSampling, GenerationResult, Runner, eos_ids, first_token, make_generator, stop_reason
+from .steps import (
+    BatchSampling,
+    GenerationResult,
+    Runner,
+    eos_ids,
+    first_token,
+    make_generator,
+    stop_reason,
+    token_logprobs,
+)
 
 log = logging.getLogger("dflash2.engine")
 
@@ -379,7 +388,9 @@ class LLMEngine:
                     self._finish(r, "error", f"{type(e).__name__}: {e}")
             return
         s = self.stats
-        for r, tokens, n in zip(reqs, out.tokens, out.num_accepted):
+        for b, (r, tokens, n) in enumerate(zip(reqs, out.tokens, out.num_accepted)):
+            if r.sampling.logprobs is not None and out.logits is not None:
+                self._record_logprobs(r, out.logits[b], tokens)
             r.verify_steps += 1
             r.draft_s += out.draft_s
             r.verify_s += out.verify_s
@@ -416,6 +427,8 @@ class LLMEngine:
                 if not req.output_ids:  # a new request: its first token comes from the prefill
                     assert req.generator is not None
                     tok = first_token(logits, req.sampling, req.generator)
+                    if req.sampling.logprobs is not None:
+                        self._record_logprobs(req, logits.view(1, -1), [tok])
                     req.first_token_at = time.perf_counter()
                     self.stats.prompt_tokens += len(req.prompt_ids)
                     self.stats.ttft.observe(req.first_token_at - req.arrival)
@@ -424,6 +437,16 @@ class LLMEngine:
                 log.exception("prefill failed")
                 with self.lock:
                     self._finish(req, "error", f"prefill failed: {type(e).__name__}: {e}")
+
+    @staticmethod
+    def _record_logprobs(req: Request, logits: torch.Tensor, tokens: list[int]) -> None:
+        """The target's log-probabilities of ``tokens`` (row i of ``logits`` predicts token i); trimmed
+        to the output when a stop ends the request inside the block (:meth:`_append`)."""
+        k = req.sampling.logprobs
+        assert k is not None
+        chosen, top = token_logprobs(logits, tokens, k)
+        req.logprobs += chosen
+        req.top_logprobs += top
 
     # ---- tokens and stopping ------------------------------------------------------------------
     def _append(self, req: Request, tokens: list[int]) -> None:
@@ -442,6 +465,8 @@ class LLMEngine:
             if reason:
                 break
         self.stats.generated_tokens += len(new)
+        if req.sampling.logprobs is not None:  # the block's tokens past a stop were not emitted
+            del req.logprobs[len(req.output_ids) :], req.top_logprobs[len(req.output_ids) :]
         if reason:
             with self.lock:
                 self._finish(req, reason, notify=False)

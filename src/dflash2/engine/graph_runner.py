@@ -334,6 +334,7 @@ class GraphModelRunner:
             synthetic=None if self.synthetic is None else self.synthetic[: w - 1],
         )
         out["rows"] = steps.result_rows(res)
+        out["logits"] = logits  # read after the replay only when a request asks for logprobs
         # the next step's anchor and position, in place (the host writes them only for stale slots); an
         # idle row's position stops where its block still fits the buffer
         n = res.num_accepted
@@ -440,6 +441,8 @@ class GraphModelRunner:
         replay, out = self._graph("verify", B, greedy, self._verify_kv(kv_len), w)
         replay()
         res = steps.finish_step(out["rows"][idx], t0, t1)
+        if steps.wants_logprobs(reqs):
+            res.logits = out["logits"][idx]
         for r, tokens in zip(reqs, res.tokens):
             r.num_committed += len(tokens)
         return res

@@ -122,11 +122,9 @@ class ModelRunner:
         t1 = time.perf_counter()
         blocks = torch.cat([anchors[:, None], drafts], dim=1)
         logits, feats, kv = self._forward(reqs, blocks)
-        out = steps.finish_step(
-            steps.result_rows(steps.accept(logits, drafts, q_draft, sampling, self.block, synthetic=self.synthetic)),
-            t0,
-            t1,
-        )
+        res = steps.accept(logits, drafts, q_draft, sampling, self.block, synthetic=self.synthetic)
+        out = steps.finish_step(steps.result_rows(res), t0, t1)
+        out.logits = logits if steps.wants_logprobs(reqs) else None
         self._commit(reqs, kv, feats, [len(t) for t in out.tokens])
         return out
 

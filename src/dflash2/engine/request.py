@@ -36,6 +36,9 @@ class Request:
     error: str | None = None
     verify_steps: int = 0
     accept_hist: list[int] = field(default_factory=list)
+    # with sampling.logprobs: per output token, the target's log-probability of it and its top k
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_committed: int = 0  # tokens whose KV is in the pool (all but the pending anchor)
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0

@@ -132,6 +132,8 @@ class StepOutput:
     draft_s: float = 0.0  # draft forward + selector walk (0 without a draft)
     verify_s: float = 0.0  # target verify + verifier + the read-back
     num_accepted: list[int] = field(init=False)
+    # the verify forward's logits [B, w, V] (row i predicts token i), when a request asked for logprobs
+    logits: torch.Tensor | None = None
 
     def __post_init__(self):
         self.num_accepted = [len(t) - 1 for t in self.tokens]
@@ -178,6 +180,25 @@ def finish_step(rows: torch.Tensor, t0: float, t1: float) -> StepOutput:
     accepted), split per request."""
     out = rows.tolist()
     return StepOutput([row[: row[-1] + 1] for row in out], t1 - t0, time.perf_counter() - t1)
+
+
+def wants_logprobs(reqs) -> bool:
+    return any(r.sampling.logprobs is not None for r in reqs)
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: list[int], k: int
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """The target's own log-probabilities (log-softmax of its raw logits, float32, before temperature or
+    truncation, as vLLM's default) of ``tokens``, row ``i`` of ``logits [n, V]`` predicting token ``i``,
+    and each row's top ``k`` as (id, logprob), most likely first. What the draft proposed does not enter:
+    the rows are the verify forward's."""
+    lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if k <= 0:
+        return chosen, [[] for _ in tokens]
+    vals, ids = lp.topk(k, dim=-1)
+    return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
 
 
 def result_rows(res: VerifyResult) -> torch.Tensor:

@@ -268,7 +268,12 @@ def check_model(st: ServerState, name: str | None) -> None:
 
 
 def make_request(
-    st: ServerState, prompt_ids: list[int], max_tokens: int | None, body, param: str = "prompt"
+    st: ServerState,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    body,
+    param: str = "prompt",
+    logprobs: int | None = None,
 ) -> Request:
     ctx = st.context_length
     if not prompt_ids:
@@ -299,6 +304,7 @@ def make_request(
             seed=body.effective_seed,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None
@@ -385,6 +391,39 @@ def sglang_finish(req: Request) -> dict | None:
     if kind == "length":
         return {"type": "length", "length": len(req.output_ids)}
     return {"type": kind, "message": req.error}
+
+
+def no_stream_logprobs(stream: bool, k: int | None, param: str = "logprobs") -> None:
+    if stream and k is not None:
+        raise APIError(400, "logprobs with stream is not supported yet: send the request without stream", param=param)
+
+
+def chat_logprobs(st: ServerState, req: Request) -> dict | None:
+    """OpenAI's chat ``choices[].logprobs``: per output token its text, log-probability, UTF-8 bytes
+    and ``top_logprobs`` alternatives (the target's own distribution, whatever the draft proposed)."""
+    if req.sampling.logprobs is None:
+        return None
+
+    def entry(tok: int, lp: float) -> dict:
+        text = st.tokenizer.decode([tok])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    content = [
+        entry(t, lp) | {"top_logprobs": [entry(i, v) for i, v in top]}
+        for t, lp, top in zip(req.output_ids, req.logprobs, req.top_logprobs)
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(st: ServerState, req: Request) -> dict | None:
+    """The legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs (text -> logprob,
+    null at 0) and each token's character offset in the text."""
+    if req.sampling.logprobs is None:
+        return None
+    tokens = [st.tokenizer.decode([t]) for t in req.output_ids]
+    offsets = [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+    top = [{st.tokenizer.decode([i]): v for i, v in row} for row in req.top_logprobs] if req.sampling.logprobs else None
+    return {"tokens": tokens, "token_logprobs": req.logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 def finish_reason(req: Request, tool_calls: bool = False) -> str:
@@ -580,7 +619,9 @@ async def chat(body: ChatCompletionRequest, http: HTTPRequest):
         raise APIError(400, f"messages could not be rendered with the chat template: {e}", param="messages") from None
     parser = st.tool_call_parser if use_tools else None
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    batch = samples(make_request(st, ids, body.max_completion_tokens or body.max_tokens, body, "messages"), body.n, rid)
+    no_stream_logprobs(body.stream, body.logprobs_k())
+    first = make_request(st, ids, body.max_completion_tokens or body.max_tokens, body, "messages", body.logprobs_k())
+    batch = samples(first, body.n, rid)
     if not body.stream:
         await run_all(st, batch, http)
         choices = []
@@ -599,6 +640,7 @@ async def chat(body: ChatCompletionRequest, http: HTTPRequest):
                 {
                     "index": i,
                     "message": msg,
+                    "logprobs": chat_logprobs(st, r),
                     "finish_reason": finish_reason(r, bool(calls)),
                     "matched_stop": r.matched_stop,
                 }
@@ -735,12 +777,15 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     st = state_of(http)
     check_model(st, body.model)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    no_stream_logprobs(body.stream, body.logprobs_k())
     prompts = await prompt_ids(st, body.prompt, "prompt")
     batch = [
         r
         for i, ids in enumerate(prompts)
         for r in samples(
-            make_request(st, ids, body.max_tokens, body), body.n, rid if len(prompts) == 1 else f"{rid}-{i}"
+            make_request(st, ids, body.max_tokens, body, "prompt", body.logprobs_k()),
+            body.n,
+            rid if len(prompts) == 1 else f"{rid}-{i}",
         )
     ]
     options = body.stream_options
@@ -751,7 +796,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
                 "index": i,
                 "text": await st.final_text(r),
                 "finish_reason": finish_reason(r),
-                "logprobs": None,
+                "logprobs": completion_logprobs(st, r),
                 "matched_stop": r.matched_stop,
             }
             for i, r in enumerate(batch)
@@ -820,12 +865,15 @@ async def generate(body: GenerateRequest, http: HTTPRequest):
     sp = body.sampling_params
     many = is_batch(prompt) or sp.n > 1
     rid = body.rid or uuid.uuid4().hex
+    no_stream_logprobs(body.stream, body.logprobs_k(), "return_logprob")
     prompts = await prompt_ids(st, prompt, param)
     batch = [
         r
         for i, ids in enumerate(prompts)
         for r in samples(
-            make_request(st, ids, sp.max_new_tokens, sp, param), sp.n, rid if len(prompts) == 1 else f"{rid}-{i}"
+            make_request(st, ids, sp.max_new_tokens, sp, param, body.logprobs_k()),
+            sp.n,
+            rid if len(prompts) == 1 else f"{rid}-{i}",
         )
     ]
     t0 = time.perf_counter()
@@ -843,7 +891,18 @@ async def generate(body: GenerateRequest, http: HTTPRequest):
             "spec_mean_width": round(req.mean_width, 4),  # the planner's verify widths, averaged
             "finish_reason": sglang_finish(req),
             "e2e_latency": time.perf_counter() - t0,
-        }
+        } | (logprob_meta(req) if body.return_logprob else {})
+
+    def logprob_meta(req: Request) -> dict:
+        """SGLang's output_token_logprobs ([logprob, id, text]) and output_top_logprobs per token."""
+
+        def item(tok: int, lp: float) -> list:
+            return [lp, tok, st.tokenizer.decode([tok]) if body.return_text_in_logprobs else None]
+
+        out: dict = {"output_token_logprobs": [item(t, lp) for t, lp in zip(req.output_ids, req.logprobs)]}
+        if body.top_logprobs_num:
+            out["output_top_logprobs"] = [[item(i, v) for i, v in row] for row in req.top_logprobs]
+        return out
 
     if not body.stream:
         await run_all(st, batch, http)

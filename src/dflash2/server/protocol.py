@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..sampling import MAX_TEMPERATURE, MAX_TOP_K, SEED_RANGE
+from ..sampling import MAX_LOGPROBS, MAX_TEMPERATURE, MAX_TOP_K, SEED_RANGE
 
 MAX_STOP_STRINGS = 64
 MAX_N = 64
@@ -38,8 +38,6 @@ def _check_text(value: Any, where: str) -> None:
 
 # field -> the values it may take while we do not implement it (its default, or an explicit no-op)
 UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -55,10 +53,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "ebnf": (None,),
     "skip_special_tokens": (None, True),
     "no_stop_trim": (None, False),
-    "return_logprob": (None, False),
-    "logprob_start_len": (None, -1),
-    "top_logprobs_num": (None, 0),
-    "return_text_in_logprobs": (None, False),
+    "logprob_start_len": (None, -1),  # prompt logprobs are not implemented
 }
 
 
@@ -145,13 +140,22 @@ class ChatCompletionRequest(SamplingFields, _Streamed):
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
     continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, not closed
     add_generation_prompt: bool = True  # vLLM's: open an assistant turn after the messages
 
+    def logprobs_k(self) -> int | None:
+        """OpenAI's chat rule: ``logprobs: true`` returns each token's log-probability, ``top_logprobs``
+        (which needs it) the k most likely alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     @model_validator(mode="after")
     def _tool_choice(self):
+        if self.logprobs not in (None, True, False):
+            raise ValueError("parameter 'logprobs' of a chat completion is a boolean; top_logprobs gives how many")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("parameter 'top_logprobs' needs 'logprobs': true")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError(
                 "parameter 'continue_final_message' needs 'add_generation_prompt': false (vLLM's rule: one "
@@ -175,6 +179,16 @@ class CompletionRequest(SamplingFields, _Streamed):
     stream_options: StreamOptions | None = None
     echo: bool | None = None
     suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _logprobs(self):
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            if self.logprobs is not False:
+                raise ValueError(f"parameter 'logprobs' of a completion is an integer in [0, {MAX_LOGPROBS}]")
+        return self
+
+    def logprobs_k(self) -> int | None:
+        return None if self.logprobs is None or self.logprobs is False else int(self.logprobs)
 
 
 class GenerateSampling(_Sampling):
@@ -202,5 +216,8 @@ class GenerateRequest(_Base):
     rid: str | None = None
     return_logprob: bool | None = None
     logprob_start_len: int | None = None
-    top_logprobs_num: int | None = None
+    top_logprobs_num: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_text_in_logprobs: bool | None = None
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs_num or 0) if self.return_logprob else None
