@@ -330,8 +330,26 @@ def test_logprobs_are_the_targets(server):
     assert torch.allclose(torch.tensor(lps.token_logprobs), torch.tensor([x[0] for x in got]), atol=1e-5)
     assert all(len(d) <= 2 for d in lps.top_logprobs) and lps.text_offset[0] == 0
 
+    # streamed: the chunks' logprobs together are the whole answer's
+    stream = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    )
+    streamed = [c for ch in stream if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    stream = client.completions.create(
+        model="default", prompt=prompt, max_tokens=12, temperature=0, logprobs=2, stream=True
+    )
+    parts = [ch.choices[0] for ch in stream if ch.choices]
+    assert sum((p.logprobs.token_logprobs for p in parts if p.logprobs), []) == lps.token_logprobs
+    assert "".join(p.text for p in parts) == comp.choices[0].text
+
     for bad, param in (
-        ({"logprobs": True, "stream": True}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ):

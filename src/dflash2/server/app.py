@@ -393,14 +393,10 @@ def sglang_finish(req: Request) -> dict | None:
     return {"type": kind, "message": req.error}
 
 
-def no_stream_logprobs(stream: bool, k: int | None, param: str = "logprobs") -> None:
-    if stream and k is not None:
-        raise APIError(400, "logprobs with stream is not supported yet: send the request without stream", param=param)
-
-
-def chat_logprobs(st: ServerState, req: Request) -> dict | None:
-    """OpenAI's chat ``choices[].logprobs``: per output token its text, log-probability, UTF-8 bytes
-    and ``top_logprobs`` alternatives (the target's own distribution, whatever the draft proposed)."""
+def chat_logprobs(st: ServerState, req: Request, start: int = 0, end: int | None = None) -> dict | None:
+    """OpenAI's chat ``choices[].logprobs`` for output tokens ``start .. end``: per token its text,
+    log-probability, UTF-8 bytes and ``top_logprobs`` alternatives (the target's own distribution,
+    whatever the draft proposed)."""
     if req.sampling.logprobs is None:
         return None
 
@@ -408,22 +404,25 @@ def chat_logprobs(st: ServerState, req: Request) -> dict | None:
         text = st.tokenizer.decode([tok])
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
-    content = [
-        entry(t, lp) | {"top_logprobs": [entry(i, v) for i, v in top]}
-        for t, lp, top in zip(req.output_ids, req.logprobs, req.top_logprobs)
-    ]
+    rows = zip(req.output_ids[start:end], req.logprobs[start:end], req.top_logprobs[start:end])
+    content = [entry(t, lp) | {"top_logprobs": [entry(i, v) for i, v in top]} for t, lp, top in rows]
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(st: ServerState, req: Request) -> dict | None:
-    """The legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs (text -> logprob,
-    null at 0) and each token's character offset in the text."""
+def completion_logprobs(st: ServerState, req: Request, start: int = 0, end: int | None = None, offset: int = 0):
+    """The legacy completions ``logprobs`` for output tokens ``start .. end``: tokens, token_logprobs,
+    top_logprobs (text -> logprob; null when 0 were asked) and each token's character offset in the
+    text (from ``offset``, where the previous chunk's text ended)."""
     if req.sampling.logprobs is None:
         return None
-    tokens = [st.tokenizer.decode([t]) for t in req.output_ids]
-    offsets = [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
-    top = [{st.tokenizer.decode([i]): v for i, v in row} for row in req.top_logprobs] if req.sampling.logprobs else None
-    return {"tokens": tokens, "token_logprobs": req.logprobs, "top_logprobs": top, "text_offset": offsets}
+    tokens = [st.tokenizer.decode([t]) for t in req.output_ids[start:end]]
+    offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+    top = (
+        [{st.tokenizer.decode([i]): v for i, v in row} for row in req.top_logprobs[start:end]]
+        if req.sampling.logprobs
+        else None
+    )
+    return {"tokens": tokens, "token_logprobs": req.logprobs[start:end], "top_logprobs": top, "text_offset": offsets}
 
 
 def finish_reason(req: Request, tool_calls: bool = False) -> str:
@@ -619,7 +618,6 @@ async def chat(body: ChatCompletionRequest, http: HTTPRequest):
         raise APIError(400, f"messages could not be rendered with the chat template: {e}", param="messages") from None
     parser = st.tool_call_parser if use_tools else None
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    no_stream_logprobs(body.stream, body.logprobs_k())
     first = make_request(st, ids, body.max_completion_tokens or body.max_tokens, body, "messages", body.logprobs_k())
     batch = samples(first, body.n, rid)
     if not body.stream:
@@ -675,13 +673,19 @@ async def chat_events(
     n_calls = 0
     every = bool(options and options.continuous_usage_stats)
 
+    sent = 0  # output tokens whose logprobs went out
+
     def chunk(delta: dict, finish=None):
+        nonlocal sent
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        if req.sampling.logprobs is not None and ("content" in delta or finish):  # the tokens since the last one
+            choice["logprobs"], sent = chat_logprobs(st, req, sent, len(req.logprobs)), len(req.logprobs)
         d = {
             "id": rid,
             "object": "chat.completion.chunk",
             "created": created,
             "model": st.model_name,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            "choices": [choice],
         }
         if every:
             d["usage"] = usage(req)
@@ -777,7 +781,6 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     st = state_of(http)
     check_model(st, body.model)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    no_stream_logprobs(body.stream, body.logprobs_k())
     prompts = await prompt_ids(st, body.prompt, "prompt")
     batch = [
         r
@@ -818,17 +821,21 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     req = batch[0]
 
     async def events():
+        sent, chars = 0, 0  # output tokens whose logprobs went out, characters of text sent
         async for delta, done in stream_tokens(st, req, http):
             if done and req.finish_reason == "error":
                 yield error_event(req)
                 break
             if delta or done:
+                choice = {"index": 0, "text": delta, "finish_reason": finish_reason(req) if done else None}
+                choice["logprobs"] = completion_logprobs(st, req, sent, len(req.logprobs), chars)
+                sent, chars = len(req.logprobs), chars + len(delta)
                 d = {
                     "id": rid,
                     "object": "text_completion",
                     "created": created,
                     "model": st.model_name,
-                    "choices": [{"index": 0, "text": delta, "finish_reason": finish_reason(req) if done else None}],
+                    "choices": [choice],
                 }
                 if options and options.continuous_usage_stats:
                     d["usage"] = usage(req)
@@ -865,7 +872,6 @@ async def generate(body: GenerateRequest, http: HTTPRequest):
     sp = body.sampling_params
     many = is_batch(prompt) or sp.n > 1
     rid = body.rid or uuid.uuid4().hex
-    no_stream_logprobs(body.stream, body.logprobs_k(), "return_logprob")
     prompts = await prompt_ids(st, prompt, param)
     batch = [
         r
