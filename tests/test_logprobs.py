@@ -66,3 +66,26 @@ def test_engine_logprobs_equal_the_targets(runner):
 def test_logprobs_bound_is_checked():
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)
+
+
+@pytest.mark.parametrize("runner", ["paged", "static"])
+def test_prompt_logprobs_in_chunks(runner):
+    """Prompt logprobs (tokens 1 .. n-1) from a prefill cut into chunks equal one forward's."""
+    t = TargetModel(build("llama", seed=9), layer_ids=[0, 2])
+    eng = LLMEngine(
+        t,
+        random_draft(t, 9).draft,
+        EngineConfig(
+            max_running_requests=2, num_draft_tokens=5, context_length=128, runner=runner, chunked_prefill_size=7
+        ),
+    )
+    prompt = _prompts(1, seed=4)[0].tolist() + _prompts(1, seed=5)[0].tolist()
+    r = eng.add_request(Request(prompt, SamplingParams(max_new_tokens=3, prompt_logprobs=2)))
+    eng.run_until_done()
+    lp = torch.log_softmax(t.model(input_ids=torch.tensor([prompt]), use_cache=False).logits[0].float(), -1)[:-1]
+    assert len(r.prompt_logprobs) == len(prompt) - 1 > 14
+    assert torch.allclose(
+        torch.tensor(r.prompt_logprobs), lp.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], atol=1e-4
+    )
+    assert [[i for i, _ in row] for row in r.prompt_top_logprobs] == lp.topk(2, -1).indices.tolist()
+    assert r.logprobs == []  # output logprobs were not asked for

@@ -330,6 +330,24 @@ def test_logprobs_are_the_targets(server):
     assert torch.allclose(torch.tensor(lps.token_logprobs), torch.tensor([x[0] for x in got]), atol=1e-5)
     assert all(len(d) <= 2 for d in lps.top_logprobs) and lps.text_offset[0] == 0
 
+    # echo: the prompt's tokens first, the first without a logprob, the rest the target's (lm-eval's loglikelihood)
+    echo = client.completions.create(model="default", prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    e = echo.choices[0].logprobs
+    with torch.no_grad():
+        plp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)[:-1]
+    want = plp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert e.token_logprobs[0] is None and len(e.tokens) == len(ids) + 1 and echo.choices[0].text.startswith(prompt)
+    assert torch.allclose(torch.tensor(e.token_logprobs[1 : len(ids)]), want, atol=1e-4)
+    assert e.token_logprobs[len(ids)] == pytest.approx(lps.token_logprobs[0], abs=1e-5)
+    g2 = httpx.post(
+        url + "/generate",
+        json={"text": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}, "return_logprob": True,
+              "logprob_start_len": 2},
+        timeout=120,
+    ).json()["meta_info"]  # fmt: skip
+    assert [x[1] for x in g2["input_token_logprobs"]] == ids[2:]
+    assert torch.allclose(torch.tensor([x[0] for x in g2["input_token_logprobs"]]), want[1:], atol=1e-4)
+
     # streamed: the chunks' logprobs together are the whole answer's
     stream = client.chat.completions.create(
         model="default",

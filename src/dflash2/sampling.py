@@ -34,6 +34,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: each output token's log-probability and the top k (<= 20)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (vLLM's name; the first has none)
 
     def __post_init__(self):
         def num(x) -> bool:
@@ -61,6 +62,12 @@ class SamplingParams:
             (
                 "logprobs",
                 self.logprobs is None or (whole(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                f"null or an integer in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None
+                or (whole(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
                 f"null or an integer in [0, {MAX_LOGPROBS}]",
             ),
         )

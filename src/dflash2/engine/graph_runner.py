@@ -394,6 +394,7 @@ class GraphModelRunner:
             tables=table,
         )
         logits, feats = logits[0], feats[0]
+        steps.record_prompt_logprobs(req, logits, p)
         if self.draft is not None:
             pos = torch.arange(p, p + len(chunk), device=dev)
             page, off = table[0, pos // self.page].long(), pos % self.page

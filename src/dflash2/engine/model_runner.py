@@ -91,7 +91,10 @@ class ModelRunner:
             req.draft_cache = DraftContextCache(self.draft) if self.draft is not None else None
         chunk = ids[p : p + (max_tokens or len(ids))]
         state = req.target_state
-        logits, feats = t.forward(state, torch.tensor(chunk), logits_to_keep=1)
+        keep = 0 if req.sampling.prompt_logprobs is not None else 1  # 0: every row
+        logits, feats = t.forward(state, torch.tensor(chunk), logits_to_keep=keep)
+        if keep == 0:
+            steps.record_prompt_logprobs(req, logits, p)
         t.commit(state, len(chunk))
         if self.draft is not None:
             req.draft_cache.append(self.draft, feats, p)

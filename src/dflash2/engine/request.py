@@ -39,6 +39,8 @@ class Request:
     # with sampling.logprobs: per output token, the target's log-probability of it and its top k
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)  # of prompt tokens 1 .. n-1
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_committed: int = 0  # tokens whose KV is in the pool (all but the pending anchor)
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0

@@ -201,6 +201,20 @@ def token_logprobs(
     return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
 
 
+def record_prompt_logprobs(req, logits: torch.Tensor, start: int) -> None:
+    """A prefill chunk's rows ``logits [L, V]`` (positions ``start ..``) give the log-probabilities of
+    the prompt tokens after them, with ``sampling.prompt_logprobs`` alternatives (first prefill only:
+    a re-prefill after preemption has them already)."""
+    k = req.sampling.prompt_logprobs
+    if k is None or req.output_ids:
+        return
+    nxt = req.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
+    if nxt:
+        chosen, top = token_logprobs(logits, nxt, k)
+        req.prompt_logprobs += chosen
+        req.prompt_top_logprobs += top
+
+
 def result_rows(res: VerifyResult) -> torch.Tensor:
     """The verifier's result as the rows :func:`finish_step` reads back in one transfer."""
     return torch.cat([res.tokens, res.num_accepted[:, None]], dim=1)

@@ -274,6 +274,7 @@ def make_request(
     body,
     param: str = "prompt",
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> Request:
     ctx = st.context_length
     if not prompt_ids:
@@ -305,6 +306,7 @@ def make_request(
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None
@@ -409,20 +411,28 @@ def chat_logprobs(st: ServerState, req: Request, start: int = 0, end: int | None
     return {"content": content, "refusal": None}
 
 
+def completion_logprobs_of(st: ServerState, ids: list[int], lps: list, tops: list, with_top: bool, offset: int = 0):
+    """The legacy completions ``logprobs`` object of tokens ``ids`` (a None entry: no logprob there)."""
+    tokens = [st.tokenizer.decode([t]) for t in ids]
+    offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+    top = [None if row is None else {st.tokenizer.decode([i]): v for i, v in row} for row in tops] if with_top else None
+    return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}
+
+
 def completion_logprobs(st: ServerState, req: Request, start: int = 0, end: int | None = None, offset: int = 0):
     """The legacy completions ``logprobs`` for output tokens ``start .. end``: tokens, token_logprobs,
     top_logprobs (text -> logprob; null when 0 were asked) and each token's character offset in the
     text (from ``offset``, where the previous chunk's text ended)."""
     if req.sampling.logprobs is None:
         return None
-    tokens = [st.tokenizer.decode([t]) for t in req.output_ids[start:end]]
-    offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
-    top = (
-        [{st.tokenizer.decode([i]): v for i, v in row} for row in req.top_logprobs[start:end]]
-        if req.sampling.logprobs
-        else None
+    return completion_logprobs_of(
+        st,
+        req.output_ids[start:end],
+        req.logprobs[start:end],
+        req.top_logprobs[start:end],
+        bool(req.sampling.logprobs),
+        offset,
     )
-    return {"tokens": tokens, "token_logprobs": req.logprobs[start:end], "top_logprobs": top, "text_offset": offsets}
 
 
 def finish_reason(req: Request, tool_calls: bool = False) -> str:
@@ -786,24 +796,42 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
         r
         for i, ids in enumerate(prompts)
         for r in samples(
-            make_request(st, ids, body.max_tokens, body, "prompt", body.logprobs_k()),
+            make_request(st, ids, body.max_tokens, body, "prompt", body.logprobs_k(), body.prompt_logprobs_k()),
             body.n,
             rid if len(prompts) == 1 else f"{rid}-{i}",
         )
     ]
     options = body.stream_options
+    if body.echo and body.stream:
+        raise APIError(400, "echo with stream is not supported yet: send it without stream", param="echo")
     if not body.stream:
         await run_all(st, batch, http)
-        choices = [
-            {
-                "index": i,
-                "text": await st.final_text(r),
-                "finish_reason": finish_reason(r),
-                "logprobs": completion_logprobs(st, r),
-                "matched_stop": r.matched_stop,
-            }
-            for i, r in enumerate(batch)
-        ]
+        choices = []
+        for i, r in enumerate(batch):
+            text, lps = await st.final_text(r), completion_logprobs(st, r)
+            if body.echo:  # the prompt's text first; with logprobs its tokens' too (the first has none)
+                head = st.tokenizer.decode(r.prompt_ids)
+                text = head + text
+                if lps is not None:
+                    pre = completion_logprobs_of(st, r.prompt_ids, [None, *r.prompt_logprobs],
+                                                 [None, *r.prompt_top_logprobs], bool(r.sampling.logprobs))  # fmt: skip
+                    lps = {
+                        "tokens": pre["tokens"] + lps["tokens"],
+                        "token_logprobs": pre["token_logprobs"] + lps["token_logprobs"],
+                        "top_logprobs": None
+                        if lps["top_logprobs"] is None
+                        else pre["top_logprobs"] + lps["top_logprobs"],
+                        "text_offset": pre["text_offset"] + [len(head) + o for o in lps["text_offset"]],
+                    }
+            choices.append(
+                {
+                    "index": i,
+                    "text": text,
+                    "finish_reason": finish_reason(r),
+                    "logprobs": lps,
+                    "matched_stop": r.matched_stop,
+                }
+            )
         return {
             "id": rid,
             "object": "text_completion",
@@ -877,7 +905,7 @@ async def generate(body: GenerateRequest, http: HTTPRequest):
         r
         for i, ids in enumerate(prompts)
         for r in samples(
-            make_request(st, ids, sp.max_new_tokens, sp, param, body.logprobs_k()),
+            make_request(st, ids, sp.max_new_tokens, sp, param, body.logprobs_k(), body.prompt_logprobs_k()),
             sp.n,
             rid if len(prompts) == 1 else f"{rid}-{i}",
         )
@@ -902,12 +930,19 @@ async def generate(body: GenerateRequest, http: HTTPRequest):
     def logprob_meta(req: Request) -> dict:
         """SGLang's output_token_logprobs ([logprob, id, text]) and output_top_logprobs per token."""
 
-        def item(tok: int, lp: float) -> list:
+        def item(tok: int, lp: float | None) -> list:
             return [lp, tok, st.tokenizer.decode([tok]) if body.return_text_in_logprobs else None]
 
         out: dict = {"output_token_logprobs": [item(t, lp) for t, lp in zip(req.output_ids, req.logprobs)]}
         if body.top_logprobs_num:
             out["output_top_logprobs"] = [[item(i, v) for i, v in row] for row in req.top_logprobs]
+        if body.prompt_logprobs_k() is not None:  # from logprob_start_len on; the prompt's first token has none
+            start = body.logprob_start_len or 0
+            lps = [None, *req.prompt_logprobs]
+            out["input_token_logprobs"] = [item(t, lp) for t, lp in zip(req.prompt_ids, lps)][start:]
+            if body.top_logprobs_num:
+                tops = [[], *req.prompt_top_logprobs]
+                out["input_top_logprobs"] = [[item(i, v) for i, v in row] for row in tops][start:]
         return out
 
     if not body.stream:

@@ -45,7 +45,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "response_format": (None, {"type": "text"}),
     "min_tokens": (None, 0),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
     "min_new_tokens": (None, 0),
     "json_schema": (None,),
@@ -53,7 +52,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "ebnf": (None,),
     "skip_special_tokens": (None, True),
     "no_stop_trim": (None, False),
-    "logprob_start_len": (None, -1),  # prompt logprobs are not implemented
 }
 
 
@@ -190,6 +188,10 @@ class CompletionRequest(SamplingFields, _Streamed):
     def logprobs_k(self) -> int | None:
         return None if self.logprobs is None or self.logprobs is False else int(self.logprobs)
 
+    def prompt_logprobs_k(self) -> int | None:
+        """``echo`` with ``logprobs``: the prompt's tokens come back with theirs (the first: null)."""
+        return self.logprobs_k() if self.echo else None
+
 
 class GenerateSampling(_Sampling):
     max_new_tokens: int = Field(128, ge=1, le=MAX_TOKENS)
@@ -221,3 +223,14 @@ class GenerateRequest(_Base):
 
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs_num or 0) if self.return_logprob else None
+
+    def prompt_logprobs_k(self) -> int | None:
+        """SGLang's ``logprob_start_len`` >= 0: the prompt's logprobs from that position on."""
+        start = self.logprob_start_len
+        return self.logprobs_k() if start is not None and start >= 0 else None
+
+    @model_validator(mode="after")
+    def _logprob_start(self):
+        if self.logprob_start_len is not None and self.logprob_start_len < -1:
+            raise ValueError("parameter 'logprob_start_len' must be -1 (no prompt logprobs) or >= 0")
+        return self
