@@ -375,3 +375,19 @@ def test_logprobs_are_the_targets(server):
             client.chat.completions.create(
                 model="default", messages=[{"role": "user", "content": prompt}], max_tokens=4, **bad
             )
+
+
+def test_best_of_returns_the_most_likely_samples(server):
+    """best_of=4, n=2: four samples, the two with the highest total log-probability come back (no
+    logprobs shown unless asked); usage counts all four."""
+    url, model, tok = server
+    client = _client(url)
+    kw = dict(model="default", prompt="Question 5: what is", max_tokens=8, temperature=1.0, seed=11)
+    each = client.completions.create(n=4, logprobs=0, **kw)  # the same four samples (seeds 11 .. 14)
+    totals = sorted(((sum(c.logprobs.token_logprobs), c.text) for c in each.choices), reverse=True)
+    best = client.completions.create(n=2, best_of=4, **kw)
+    assert [c.text for c in best.choices] == [t for _, t in totals[:2]]
+    assert all(c.logprobs is None for c in best.choices)
+    assert best.usage.completion_tokens == each.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(n=3, best_of=2, **kw)

@@ -792,12 +792,16 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     check_model(st, body.model)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     prompts = await prompt_ids(st, body.prompt, "prompt")
+    # best_of: that many samples per prompt, the n with the highest log-probability returned (their
+    # logprobs are kept internally even when the client did not ask for them)
+    best_of, shown = body.best_of or body.n, body.logprobs_k()
+    kept = shown if shown is not None or best_of == body.n else 0
     batch = [
         r
         for i, ids in enumerate(prompts)
         for r in samples(
-            make_request(st, ids, body.max_tokens, body, "prompt", body.logprobs_k(), body.prompt_logprobs_k()),
-            body.n,
+            make_request(st, ids, body.max_tokens, body, "prompt", kept, body.prompt_logprobs_k()),
+            best_of,
             rid if len(prompts) == 1 else f"{rid}-{i}",
         )
     ]
@@ -806,9 +810,14 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
         raise APIError(400, "echo with stream is not supported yet: send it without stream", param="echo")
     if not body.stream:
         await run_all(st, batch, http)
+        chosen = [
+            r
+            for j in range(0, len(batch), best_of)
+            for r in sorted(batch[j : j + best_of], key=lambda r: -sum(r.logprobs))[: body.n]
+        ]
         choices = []
-        for i, r in enumerate(batch):
-            text, lps = await st.final_text(r), completion_logprobs(st, r)
+        for i, r in enumerate(chosen):
+            text, lps = await st.final_text(r), completion_logprobs(st, r) if shown is not None else None
             if body.echo:  # the prompt's text first; with logprobs its tokens' too (the first has none)
                 head = st.tokenizer.decode(r.prompt_ids)
                 text = head + text
@@ -838,7 +847,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
             "created": created,
             "model": st.model_name,
             "choices": choices,
-            "usage": total_usage(batch, prompts=len(prompts)),
+            "usage": total_usage(batch, prompts=len(prompts)),  # every sample best_of generated, as OpenAI counts
         }
     if len(batch) > 1:
         raise APIError(

@@ -44,7 +44,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "repetition_penalty": (None, 1, 1.0),
     "response_format": (None, {"type": "text"}),
     "min_tokens": (None, 0),
-    "best_of": (None, 1),
     "suffix": (None, ""),
     "min_new_tokens": (None, 0),
     "json_schema": (None,),
@@ -154,6 +153,8 @@ class ChatCompletionRequest(SamplingFields, _Streamed):
             raise ValueError("parameter 'logprobs' of a chat completion is a boolean; top_logprobs gives how many")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("parameter 'top_logprobs' needs 'logprobs': true")
+        if self.best_of not in (None, 1):
+            raise ValueError("parameter 'best_of' is not supported by chat completions (a /v1/completions parameter)")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError(
                 "parameter 'continue_final_message' needs 'add_generation_prompt': false (vLLM's rule: one "
@@ -191,6 +192,17 @@ class CompletionRequest(SamplingFields, _Streamed):
     def prompt_logprobs_k(self) -> int | None:
         """``echo`` with ``logprobs``: the prompt's tokens come back with theirs (the first: null)."""
         return self.logprobs_k() if self.echo else None
+
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None:
+            if not 1 <= self.best_of <= MAX_N:
+                raise ValueError(f"parameter 'best_of' must be in [1, {MAX_N}]")
+            if self.best_of < self.n:
+                raise ValueError(f"parameter 'best_of' ({self.best_of}) must be >= n ({self.n})")
+            if self.stream and self.best_of > self.n:
+                raise ValueError("parameter 'best_of' > n cannot be streamed (OpenAI's rule)")
+        return self
 
 
 class GenerateSampling(_Sampling):
