@@ -391,3 +391,29 @@ def test_best_of_returns_the_most_likely_samples(server):
     assert best.usage.completion_tokens == each.usage.completion_tokens
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(n=3, best_of=2, **kw)
+
+
+def test_streamed_choices_of_n_and_of_a_batch(server):
+    """n=2 chat and a two-prompt completion, streamed: each choice's chunks (by index) join to the
+    text the same request gives unstreamed; one usage chunk, for all of them, at the end."""
+    url, model, tok = server
+    client = _client(url)
+    kw = dict(model="default", messages=[{"role": "user", "content": "Question 7: what is 7 plus 14?"}],
+              max_tokens=12, temperature=1.0, seed=5, n=2)  # fmt: skip
+    whole = client.chat.completions.create(**kw)
+    parts: dict[int, str] = {}
+    usage = []
+    for ch in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        for c in ch.choices:
+            parts[c.index] = parts.get(c.index, "") + (c.delta.content or "")
+        if ch.usage is not None:
+            usage.append(ch.usage)
+    assert parts == {c.index: c.message.content for c in whole.choices}
+    assert len(usage) == 1 and usage[0].completion_tokens == whole.usage.completion_tokens
+    prompts = ["Question 8: what is", "Question 9: what is"]
+    whole = client.completions.create(model="default", prompt=prompts, max_tokens=10, temperature=0)
+    texts: dict[int, str] = {}
+    for ch in client.completions.create(model="default", prompt=prompts, max_tokens=10, temperature=0, stream=True):
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {c.index: c.text for c in whole.choices}

@@ -17,7 +17,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, FastAPI, Request as HTTPRequest
 from pydantic import BaseModel, ConfigDict
@@ -603,9 +603,41 @@ def text_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def usage_chunk(obj: str, rid: str, created: int, model: str, req: Request) -> str:
+def usage_chunk(obj: str, rid: str, created: int, model: str, use: dict) -> str:
     """OpenAI's last stream chunk when ``stream_options.include_usage``: no choices, the usage."""
-    return f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': usage(req)})}\n\n"
+    return f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': use})}\n\n"
+
+
+async def merged_events(streams: list, tail) -> AsyncIterator[str]:
+    """Several choices' event streams as one (n > 1, or a batch of prompts): events as they come,
+    each choice's chunks carrying its index; then ``tail()`` (the usage chunk, if asked) and [DONE]
+    once. A client that goes away cancels every choice (each aborts its request)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(gen) -> None:
+        try:
+            async for item in gen:
+                await queue.put(item)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in streams]
+    try:
+        live = len(tasks)
+        while live:
+            item = await queue.get()
+            if item is None:
+                live -= 1
+            else:
+                yield item
+        for t in tasks:
+            t.result()  # a choice's exception reaches the client
+        if (chunk := tail()) is not None:
+            yield chunk
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 @router.post("/v1/chat/completions")
@@ -661,12 +693,15 @@ async def chat(body: ChatCompletionRequest, http: HTTPRequest):
             "choices": choices,
             "usage": total_usage(batch, prompts=1),
         }
-    if len(batch) > 1:
-        raise APIError(400, "stream with n > 1 is not supported yet: send n streams", param="n")
-    req = batch[0]
-    return StreamingResponse(
-        chat_events(st, req, http, rid, created, parser, body.stream_options), media_type="text/event-stream"
-    )
+    options = body.stream_options
+
+    def tail() -> str | None:
+        if options and options.include_usage:
+            return usage_chunk("chat.completion.chunk", rid, created, st.model_name, total_usage(batch, prompts=1))
+        return None
+
+    streams = [chat_events(st, r, http, rid, created, parser, options, i) for i, r in enumerate(batch)]
+    return StreamingResponse(merged_events(streams, tail), media_type="text/event-stream")
 
 
 async def chat_events(
@@ -677,7 +712,9 @@ async def chat_events(
     created: int,
     parser: str | None,
     options: StreamOptions | None,
+    index: int = 0,
 ):
+    """One choice's chunks (its usage chunk and [DONE] are :func:`merged_events`')."""
     rp = ReasoningParser() if st.reasoning_parser else None
     tp = ToolCallParser(parser) if parser else None
     n_calls = 0
@@ -687,7 +724,7 @@ async def chat_events(
 
     def chunk(delta: dict, finish=None):
         nonlocal sent
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "finish_reason": finish}
         if req.sampling.logprobs is not None and ("content" in delta or finish):  # the tokens since the last one
             choice["logprobs"], sent = chat_logprobs(st, req, sent, len(req.logprobs)), len(req.logprobs)
         d = {
@@ -739,9 +776,6 @@ async def chat_events(
                 for c in call_chunks(calls):
                     yield c
             yield chunk({}, finish_reason(req, n_calls > 0))
-            if options and options.include_usage:
-                yield usage_chunk("chat.completion.chunk", rid, created, st.model_name, req)
-    yield "data: [DONE]\n\n"
 
 
 def samples(req: Request, n: int, rid: str) -> list[Request]:
@@ -849,22 +883,21 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
             "choices": choices,
             "usage": total_usage(batch, prompts=len(prompts)),  # every sample best_of generated, as OpenAI counts
         }
-    if len(batch) > 1:
-        raise APIError(
-            400,
-            "stream with a batch of prompts or n > 1 is not supported yet: send one stream each",
-            param="prompt" if len(prompts) > 1 else "n",
-        )
-    req = batch[0]
 
-    async def events():
+    def tail() -> str | None:
+        if options and options.include_usage:
+            use = total_usage(batch, prompts=len(prompts))
+            return usage_chunk("text_completion", rid, created, st.model_name, use)
+        return None
+
+    async def events(req: Request, index: int):
         sent, chars = 0, 0  # output tokens whose logprobs went out, characters of text sent
         async for delta, done in stream_tokens(st, req, http):
             if done and req.finish_reason == "error":
                 yield error_event(req)
                 break
             if delta or done:
-                choice = {"index": 0, "text": delta, "finish_reason": finish_reason(req) if done else None}
+                choice = {"index": index, "text": delta, "finish_reason": finish_reason(req) if done else None}
                 choice["logprobs"] = completion_logprobs(st, req, sent, len(req.logprobs), chars)
                 sent, chars = len(req.logprobs), chars + len(delta)
                 d = {
@@ -877,11 +910,9 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
                 if options and options.continuous_usage_stats:
                     d["usage"] = usage(req)
                 yield f"data: {json.dumps(d)}\n\n"
-                if done and options and options.include_usage:
-                    yield usage_chunk("text_completion", rid, created, st.model_name, req)
-        yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    streams = [events(r, i) for i, r in enumerate(batch)]  # choice i: prompt i // n, sample i % n
+    return StreamingResponse(merged_events(streams, tail), media_type="text/event-stream")
 
 
 def total_usage(batch: list[Request], prompts: int) -> dict:
