@@ -103,6 +103,7 @@ def server(models, request):
         "5",
         "--model-runner",
         request.param,
+        *(["--enable-spec-usage"] if request.param == "static" else []),
     )
     yield url, model, tok
     proc.terminate()
@@ -256,7 +257,9 @@ def test_generate_meta_metrics_and_usage_agree(server):
     )
     c = _client(url).completions.create(model="default", prompt="Once upon a time", max_tokens=30, temperature=0)
     assert c.usage.completion_tokens == meta["completion_tokens"] and c.choices[0].text == r["text"]
-    assert c.usage.model_extra["spec_verify_ct"] == meta["spec_verify_ct"]
+    # speculation's counters ride on usage only with --enable-spec-usage (the static server here)
+    spec = httpx.get(url + "/server_info", timeout=60).json()["enable_spec_usage"]
+    assert c.usage.model_extra.get("spec_verify_ct") == (meta["spec_verify_ct"] if spec else None)
     models = _client(url).models.list()
     assert len(models.data) == 1
 

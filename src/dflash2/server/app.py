@@ -185,6 +185,10 @@ class ServerState:
     )
 
     @property
+    def spec_usage(self) -> bool:  # --enable-spec-usage: speculation's counters in OpenAI usage objects
+        return bool(self.server_args.get("enable_spec_usage"))
+
+    @property
     def skip_special(self) -> bool:  # Kimi-K2's tool-call section markers are special tokens
         return self.tool_call_parser != "kimi_k2"
 
@@ -372,14 +376,17 @@ async def stream_tokens(st: ServerState, req: Request, http: HTTPRequest, skip: 
         yield detok.delta(req, final=done), done
 
 
-def usage(req: Request) -> dict:
-    return {
+def usage(req: Request, spec: bool = False) -> dict:
+    """OpenAI's usage; ``spec`` (``--enable-spec-usage``) adds the verify steps and acceptance length,
+    which exact comparisons of usage objects would trip over otherwise."""
+    out: dict[str, int | float] = {
         "prompt_tokens": len(req.prompt_ids),
         "completion_tokens": len(req.output_ids),
         "total_tokens": len(req.prompt_ids) + len(req.output_ids),
-        "spec_verify_ct": req.verify_steps,
-        "spec_accept_length": round(req.accept_length, 4),
     }
+    if spec:
+        out |= {"spec_verify_ct": req.verify_steps, "spec_accept_length": round(req.accept_length, 4)}
+    return out
 
 
 def sglang_finish(req: Request) -> dict | None:
@@ -691,13 +698,15 @@ async def chat(body: ChatCompletionRequest, http: HTTPRequest):
             "created": created,
             "model": st.model_name,
             "choices": choices,
-            "usage": total_usage(batch, prompts=1),
+            "usage": total_usage(batch, 1, st.spec_usage),
         }
     options = body.stream_options
 
     def tail() -> str | None:
         if options and options.include_usage:
-            return usage_chunk("chat.completion.chunk", rid, created, st.model_name, total_usage(batch, prompts=1))
+            return usage_chunk(
+                "chat.completion.chunk", rid, created, st.model_name, total_usage(batch, 1, st.spec_usage)
+            )
         return None
 
     streams = [chat_events(st, r, http, rid, created, parser, options, i) for i, r in enumerate(batch)]
@@ -735,7 +744,7 @@ async def chat_events(
             "choices": [choice],
         }
         if every:
-            d["usage"] = usage(req)
+            d["usage"] = usage(req, st.spec_usage)
         return f"data: {json.dumps(d)}\n\n"
 
     def call_chunks(calls):
@@ -881,12 +890,14 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
             "created": created,
             "model": st.model_name,
             "choices": choices,
-            "usage": total_usage(batch, prompts=len(prompts)),  # every sample best_of generated, as OpenAI counts
+            "usage": total_usage(
+                batch, len(prompts), st.spec_usage
+            ),  # every sample best_of generated, as OpenAI counts
         }
 
     def tail() -> str | None:
         if options and options.include_usage:
-            use = total_usage(batch, prompts=len(prompts))
+            use = total_usage(batch, len(prompts), st.spec_usage)
             return usage_chunk("text_completion", rid, created, st.model_name, use)
         return None
 
@@ -908,26 +919,27 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
                     "choices": [choice],
                 }
                 if options and options.continuous_usage_stats:
-                    d["usage"] = usage(req)
+                    d["usage"] = usage(req, st.spec_usage)
                 yield f"data: {json.dumps(d)}\n\n"
 
     streams = [events(r, i) for i, r in enumerate(batch)]  # choice i: prompt i // n, sample i % n
     return StreamingResponse(merged_events(streams, tail), media_type="text/event-stream")
 
 
-def total_usage(batch: list[Request], prompts: int) -> dict:
+def total_usage(batch: list[Request], prompts: int, spec: bool = False) -> dict:
     """Usage of a batch: each prompt counted once (n samples share it, as OpenAI counts), every completion."""
-    per = [usage(r) for r in batch]
+    per = [usage(r, spec) for r in batch]
     if len(per) == 1:
         return per[0]
     n = len(batch) // prompts
     out = {
         "prompt_tokens": sum(u["prompt_tokens"] for u in per[::n]),
         "completion_tokens": sum(u["completion_tokens"] for u in per),
-        "spec_verify_ct": sum(u["spec_verify_ct"] for u in per),
     }
     out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
-    out["spec_accept_length"] = round(out["completion_tokens"] / max(out["spec_verify_ct"], 1), 4)
+    if spec:
+        out["spec_verify_ct"] = sum(r.verify_steps for r in batch)
+        out["spec_accept_length"] = round(out["completion_tokens"] / max(out["spec_verify_ct"], 1), 4)
     return out
 
 

@@ -44,6 +44,12 @@ def add_serve_parser(sub) -> None:
         help="graphs are captured for every batch up to --max-running-requests; a smaller value is refused",
     )
     # SGLang flags whose job has no counterpart here: accepted, and start-up says so in one line each
+    p.add_argument(
+        "--enable-spec-usage",
+        action="store_true",
+        help="not an SGLang flag: OpenAI usage objects also carry spec_verify_ct and spec_accept_length "
+        "(always in /generate's meta_info)",
+    )
     p.add_argument("--enable-metrics", action="store_true", help="/metrics is always on")
     p.add_argument("--skip-server-warmup", action="store_true", help="there is no warm-up request to skip")
     p.add_argument("--disable-radix-cache", action="store_true", help="there is no prefix cache to disable")
