@@ -25,7 +25,7 @@ from functools import partial
 import torch
 
 from ..kernels.live_attention import use_triton
-from ..model.attention import build_block_mask
+from ..model.context_cache import block_hidden
 from ..target import TargetModel
 from ..target.static_llama import StaticTarget, unsupported_reason
 from . import steps
@@ -346,22 +346,10 @@ class GraphModelRunner:
         prefix when that is shorter), gathered per row: its cost does not grow with the buffer."""
         d, w = self.draft, self.w
         apos = self.start[:B]
-        q_pos = apos[:, None] + self.ar
         W = min(d.config.sliding_window, kv_len)
         ctx_pos = apos[:, None] - W + self.ctx_pos[:, :W]  # [B, W]; negative before the prompt's start
         ctx = self.lat[(slice(None), *self._at(B, ctx_pos.clamp(min=0)))]  # [layers, B, W, latent]
-        mask = build_block_mask(
-            q_pos,
-            apos[:, None].expand(B, w),
-            torch.zeros_like(q_pos),
-            ctx_pos,
-            ctx_pos >= 0,
-            d.config.sliding_window,
-            d.config.is_causal,
-        )
-        block = self.ids[:B].clone()
-        block[:, 1:] = d.config.mask_token_id
-        hidden = d(self.target.embed(block), q_pos, ctx, mask, w)[:, 1:]
+        hidden = block_hidden(d, self.target.embed, self.ids[:B, 0], apos, ctx, ctx_pos, ctx_pos >= 0, w)
         tokens, q = steps.propose(
             d, hidden, self.ids[:B, 0], self.target.lm_head_weight, self._rows(B, greedy), capturable=True
         )

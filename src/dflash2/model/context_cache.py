@@ -136,9 +136,29 @@ def draft_block(
         for b, c in enumerate(caches):
             n = len(c)
             lat[:, b, :n], ctx_pos[b, :n], ctx_valid[b, :n] = c.latents, c.positions, True
-    block_ids = torch.full((B, width), cfg.mask_token_id, dtype=torch.long, device=device)
+    hidden = block_hidden(draft, embed, anchors, anchor_pos, lat, ctx_pos, ctx_valid, width)
+    return DraftBlockOutput(hidden, draft, lm_head_weight)
+
+
+def block_hidden(
+    draft: DFlash2DraftModel,
+    embed: torch.nn.Module,
+    anchors: torch.Tensor,
+    anchor_pos: torch.Tensor,
+    ctx_latents: torch.Tensor,
+    ctx_pos: torch.Tensor,
+    ctx_valid: torch.Tensor,
+    width: int,
+) -> torch.Tensor:
+    """The draft block, defined here only: ``[anchor, MASK x (width-1)]`` per row at positions
+    ``anchor_pos ..``, under the block-causal sliding-window mask over context latents
+    ``[layers, B, T, D]`` at ``ctx_pos [B, T]`` (``ctx_valid`` False: padding); the hidden states of
+    the ``width - 1`` draft rows. No host reads: the graph runner captures it."""
+    cfg = draft.config
+    B = anchors.shape[0]
+    block_ids = torch.full((B, width), cfg.mask_token_id, dtype=torch.long, device=anchors.device)
     block_ids[:, 0] = anchors
-    q_pos = anchor_pos[:, None] + torch.arange(width, device=device)
+    q_pos = anchor_pos[:, None] + torch.arange(width, device=anchors.device)
     mask = build_block_mask(
         q_pos,
         anchor_pos[:, None].expand(B, width),
@@ -148,5 +168,4 @@ def draft_block(
         cfg.sliding_window,
         cfg.is_causal,
     )
-    hidden = draft(embed(block_ids), q_pos, lat, mask, width)[:, 1:]
-    return DraftBlockOutput(hidden, draft, lm_head_weight)
+    return draft(embed(block_ids), q_pos, ctx_latents, mask, width)[:, 1:]
