@@ -251,3 +251,20 @@ def test_static_runner_budget_is_pages(llama):
     eng.run_until_done()
     for p, r in zip(prompts, reqs):
         assert r.output_ids == hf_greedy(t, p, 12)
+
+
+def test_request_arriving_after_admission_is_not_failed(llama):
+    """A request queued between a step's admission and its decode, while nothing runs (the last one
+    finished at its prefill: max_tokens 1, as lm-eval's loglikelihood requests), waits for the next
+    step; it was failed as 'does not fit the KV pool' (found by lm-eval against the server)."""
+    t, d = llama
+    for runner in ("paged", "static"):
+        eng = LLMEngine(t, d, EngineConfig(max_running_requests=2, context_length=128, runner=runner))
+        a = eng.add_request(Request([5, 6, 7], SamplingParams(max_new_tokens=1)))
+        eng._admit()
+        eng._prefill_some()  # a's only token comes from its prefill: it is done, nothing runs
+        assert a.finish_reason == "length" and not eng.scheduler.running
+        b = eng.add_request(Request([8, 9, 10], SamplingParams(max_new_tokens=3)))
+        assert eng._decode_batch() == [] and b.finish_reason is None
+        eng.run_until_done()
+        assert b.finish_reason == "length" and len(b.output_ids) == 3

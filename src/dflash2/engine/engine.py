@@ -367,9 +367,10 @@ class LLMEngine:
                 self.prefilling.remove(req)
             self.stats.preemptions += 1
         reqs = [r for r in self.scheduler.running if not r.finished and r not in self.prefilling]
-        if not reqs and self.scheduler.waiting and not self.scheduler.running:
-            with self.lock:  # nothing running and still no room: it can never fit
-                self._finish(self.scheduler.waiting[0], "error", "request does not fit the KV pool")
+        waiting = self.scheduler.waiting
+        if not reqs and waiting and not self.scheduler.running and not self.scheduler.fits(waiting[0]):
+            with self.lock:  # nothing running, so all KV is free, and still no room: it can never fit
+                self._finish(waiting[0], "error", "request does not fit the KV pool")
         return reqs
 
     def _decode(self, reqs: list[Request]) -> None:

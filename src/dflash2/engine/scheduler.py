@@ -34,6 +34,10 @@ class Scheduler:
             admitted.append(req)
         return admitted
 
+    def fits(self, req: Request) -> bool:
+        """Whether ``req``'s prefill and first step fit the KV memory as it is now."""
+        return self.bm.can_grow(req, len(req.all_ids) + self.width)
+
     def reserve_step(self) -> list[Request]:
         """Blocks for one verify step of every running request; preempts the newest as needed.
         Returns the preempted requests."""
