@@ -691,6 +691,7 @@ def stage_steps(args) -> None:
     from dflash2.engine.steps import BatchSampling
     from dflash2.model.checkpoint import load_draft
     from dflash2.target import TargetModel
+    from dflash2.verification import SamplingParams
 
     info = env_report()
     dev = args.graph_device
@@ -702,11 +703,12 @@ def stage_steps(args) -> None:
     prompt = torch.randint(100, 40000, (300,)).tolist()
     times: dict = {}
     n = 100 if dev == "cuda" else 2
-    for attention in ("sdpa", "live") if dev == "cuda" else ("sdpa",):
+    samplers = args.sampler_backends.split(",")
+    for attention, sampler in [(a, sb) for a in (("sdpa", "live") if dev == "cuda" else ("sdpa",)) for sb in samplers]:
         for B in [int(b) for b in args.concurrency.split(",")]:
             runner = GraphModelRunner(target, draft, 5, B, 1088, cuda_graph=dev == "cuda", block_verification=True,
-                                      attention=attention, verify_widths=(1,))  # fmt: skip
-            reqs = [Request(prompt[: 300 - b], None) for b in range(B)]
+                                      attention=attention, verify_widths=(1,), sampler=sampler)  # fmt: skip
+            reqs = [Request(prompt[: 300 - b], SamplingParams()) for b in range(B)]
             for r in reqs:
                 runner.prefill(r)
                 r.output_ids.append(r.prompt_ids[-1])
@@ -720,7 +722,7 @@ def stage_steps(args) -> None:
             for greedy in (True, False):
                 for kind, w in (("draft", 5), ("verify", 5), ("verify", 1)):
                     step, _ = runner._graph(kind, B, greedy, 1088, w)
-                    key = f"{attention} B{B} {'greedy' if greedy else 'T=1'} {kind} w{w}"
+                    key = f"{attention} {sampler} B{B} {'greedy' if greedy else 'T=1'} {kind} w{w}"
                     times[key] = round(replay_ms(step, n), 3)
                     runner.start[:B] = 300  # the verify graph moves positions on
             del runner
@@ -730,6 +732,47 @@ def stage_steps(args) -> None:
         log(f"  {k:<36} {v:.3f} ms")
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "steps.json").write_text(json.dumps({"env": info, "replay_ms": times}, indent=1))
+
+
+def stage_sampler(args) -> None:
+    """The sort-free truncation kernel (kernels/truncate.py) against the full sort: rows of a 49,152
+    vocabulary from bf16-rounded logits at T=1 (ties included), top-p 0.95 (and a top-k / min-p mix),
+    rows kept identically, and ms per call of each as CUDA-graph replays. $OUT/sampler.json."""
+    import torch
+    from dflash2.engine.graph_runner import Replay
+    from dflash2.kernels.truncate import truncate, truncate_ref
+
+    info = env_report()
+    dev = args.graph_device
+    cuda = dev == "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    report: dict = {"env": info, "rows": {}}
+    for R in (64, 320) if cuda else (4,):
+        V = 49152 if cuda else 3000
+        logits = (torch.randn(R, V, device=dev, generator=g) * 3).to(torch.bfloat16).float()
+        probs = torch.softmax(logits, -1)
+        for name, (k, tp, mp) in {
+            "top_p 0.95": (-1, 0.95, 0.0),
+            "top_k 40 top_p 0.9 min_p 0.05": (40, 0.9, 0.05),
+        }.items():
+            K = torch.full((R, 1), k, device=dev)
+            TP, MP = torch.full((R, 1), tp, device=dev), torch.full((R, 1), mp, device=dev)
+            same = int((truncate(probs, K, TP, MP) == truncate_ref(probs, K, TP, MP)).all(-1).sum())
+            kern = Replay(partial(truncate, probs, K, TP, MP), cuda)
+            sort = Replay(partial(truncate_ref, probs, K, TP, MP), cuda)
+            n = 50 if cuda else 1
+            report["rows"][f"R{R} {name}"] = {
+                "identical_rows": same,
+                "of": R,
+                "kernel_ms": round(replay_ms(kern, n), 4),
+                "sort_ms": round(replay_ms(sort, n), 4),
+            }
+    for key, r in report["rows"].items():
+        log(
+            f"  {key:<36} same rows {r['identical_rows']}/{r['of']}  kernel {r['kernel_ms']:.3f} ms  sort {r['sort_ms']:.3f} ms"
+        )
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "sampler.json").write_text(json.dumps(report, indent=1))
 
 
 def stage_hardening(args) -> None:
@@ -980,8 +1023,10 @@ def stage_attn(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
-        "stage", choices=["stash", "prepare", "train", "bench", "graphs", "engine", "attn", "hardening", "steps"]
+        "stage",
+        choices=["stash", "prepare", "train", "bench", "graphs", "engine", "attn", "hardening", "steps", "sampler"],
     )
+    ap.add_argument("--sampler-backends", default="sort", help="steps: e.g. sort,triton (the sampled truncation)")
     ap.add_argument("--attn-shapes", default="smollm2,llama8b", help="attn: random targets of these shapes timed")
     ap.add_argument(
         "--attention-backends", default="auto", help="engine: every row once per backend, e.g. torch_native,triton"
@@ -1051,6 +1096,7 @@ def main() -> None:
         "attn": stage_attn,
         "hardening": stage_hardening,
         "steps": stage_steps,
+        "sampler": stage_sampler,
     }[args.stage](args)
 
 

@@ -36,6 +36,7 @@ def _run(
     sampled=False,
     max_new=(30, 12, 21, 7),
     attention_backend="auto",
+    sampler_backend="sort",
 ):
     """``sampled``: True (every request at T=1 / top-p 0.9), False, or "mixed" (every other one)."""
     eng = LLMEngine(
@@ -52,6 +53,7 @@ def _run(
             runner=runner,
             speculative_planner="off",  # step for step against the reference loop / the other runner
             attention_backend=attention_backend,
+            sampler_backend=sampler_backend,
         ),
     )
     hot = [sampled is True or (sampled == "mixed" and i % 2 == 1) for i in range(len(prompts))]

@@ -27,6 +27,7 @@ def one_slot_engine(target, draft, width: int, args, max_tokens: int):
         block_verification=args.speculative_use_block_verification,
         disable_cuda_graph=args.disable_cuda_graph,
         attention_backend=args.attention_backend,
+        sampler_backend=args.sampler_backend,
         chunked_prefill_size=-1,
         speculative_planner=args.speculative_planner,
         speculative_width_schedule=args.speculative_width_schedule,

@@ -113,6 +113,13 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
         help="the static-slot runner's target attention: triton = a kernel that reads each request's live "
         "keys only; torch_native = masked SDPA over a buffer prefix; auto (default): triton on CUDA",
     )
+    ap.add_argument(
+        "--sampler-backend",
+        default="sort",
+        choices=["sort", "triton"],
+        help="the static runner's top-k / top-p / min-p inside its CUDA graphs: sort (every vocabulary row "
+        "sorted) or triton (a sort-free kernel; opt-in until it is timed on a GPU)",
+    )
     ap.add_argument("--verify-manifest", default=None, help="refuse a drafter whose files fail this manifest")
     ap.add_argument("--manifest-signature", default=None)
     ap.add_argument("--manifest-public-key", default=None)

@@ -126,14 +126,21 @@ def _truncate_top(probs, k, tp, mp, n: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def probs_from_logits(
-    logits: torch.Tensor, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, capturable: bool = False
+    logits: torch.Tensor,
+    temperature=0.0,
+    top_k=-1,
+    top_p=1.0,
+    min_p=0.0,
+    capturable: bool = False,
+    truncate_kernel: bool = False,
 ) -> torch.Tensor:
     """Rows of ``logits [..., V]`` -> processed probabilities (float32). Parameters are scalars
     or tensors over the leading dims (e.g. one value per request). ``capturable``: no read of a
     device value on the host, so a CUDA graph can hold it: truncation sorts whole rows (the exact
     reference the top-``FAST_TOP`` shortcut falls back to), and runs whenever a Python scalar asks for
     it or any of ``top_k`` / ``top_p`` / ``min_p`` is a tensor (per-row values, read on the device);
-    the greedy blend always runs."""
+    the greedy blend always runs. ``truncate_kernel`` (with ``capturable``): the sort-free Triton
+    truncation (:mod:`dflash2.kernels.truncate`) instead of the full sort."""
     logits = logits.float()
     V = logits.shape[-1]
     temp = _col(temperature, logits[..., 0], torch.float32).unsqueeze(-1)
@@ -152,7 +159,11 @@ def probs_from_logits(
         rows = probs.shape[:-1] + (1,)
         P = probs.reshape(-1, V)
         K, TP, MP = (x.expand(rows).reshape(-1, 1) for x in (k, tp, mp))
-        if capturable:
+        if capturable and truncate_kernel:
+            from .kernels.truncate import truncate as truncate_rows
+
+            out = truncate_rows(P, K, TP, MP)
+        elif capturable:
             out = _truncate(P, *P.sort(dim=-1, descending=True, stable=True), K, TP, MP)
         else:
             out, ok = _truncate_top(P, K, TP, MP, min(V, max(FAST_TOP, int(K.max()))))

@@ -105,6 +105,7 @@ class EngineBackend:
                 block_verification=args.speculative_use_block_verification,
                 disable_cuda_graph=args.disable_cuda_graph,
                 attention_backend=args.attention_backend,
+                sampler_backend=args.sampler_backend,
                 speculative_planner="off",  # acceptance at the loaded width: a width-1 step would count as AL 1
             ),
         )

@@ -137,6 +137,7 @@ def cmd_speed(args) -> int:
         "disable_cuda_graph": args.disable_cuda_graph,
         "attention_backend": args.attention_backend,
         "synthetic_acceptance": args.synthetic_acceptance,
+        "sampler_backend": args.sampler_backend,
     }
     if draft is None:
         raise SystemExit(

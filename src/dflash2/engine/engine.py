@@ -72,6 +72,9 @@ class EngineConfig:
     # benchmarks only (bench speed), NOT lossless: accept draft position i with probability rates[i]
     # (one value: every position) whatever the target says, as vLLM's synthetic rejection method
     synthetic_acceptance: tuple[float, ...] | None = None
+    # the static runner's sampled truncation (top-k / top-p / min-p) inside its graphs: sort (every row
+    # of the vocabulary sorted) or triton (kernels/truncate.py, sort-free; opt-in until timed on the H200)
+    sampler_backend: str = "sort"
 
     @classmethod
     def for_models(cls, target, draft, width: int, context_length: int | None = None, **fields) -> "EngineConfig":
@@ -98,6 +101,8 @@ class EngineConfig:
             raise ValueError(f"KV budget {self.max_total_tokens} tokens is smaller than one page")
         if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
             raise ValueError(f"--chunked-prefill-size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
+        if self.sampler_backend not in ("sort", "triton"):
+            raise ValueError(f"--sampler-backend must be sort or triton, got {self.sampler_backend!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
@@ -217,6 +222,8 @@ class LLMEngine:
                     f"{per_pos * max_len / 2**30:.1f} GiB ({free / 2**30:.1f} free); lower --context-length"
                 )
                 static = False
+        if not static and cfg.sampler_backend == "triton":
+            raise ValueError("--sampler-backend triton: the kernel serves the static-slot runner's graphs only")
         if not static and cfg.attention_backend == "triton":
             raise ValueError(
                 "--attention-backend triton: the kernel serves the static-slot runner only (a dense "
@@ -236,6 +243,7 @@ class LLMEngine:
                 page_size=None if pages is None else page,
                 num_pages=pages,
                 synthetic_acceptance=cfg.synthetic_acceptance,
+                sampler=cfg.sampler_backend,
             )
         pool = BlockManager(cfg.max_total_tokens // cfg.page_size, cfg.page_size)
         return ModelRunner(target, self.draft, pool, self.width, cfg.block_verification, cfg.synthetic_acceptance)

@@ -116,6 +116,7 @@ class GraphModelRunner:
         page_size: int | None = None,
         num_pages: int | None = None,
         synthetic_acceptance: tuple[float, ...] | None = None,
+        sampler: str = "sort",
     ):
         """``page_size`` / ``num_pages``: KV (target and draft) in a pool of pages that requests
         take as they grow (the scheduler's :class:`BlockManager`), read through per-slot block tables
@@ -127,6 +128,10 @@ class GraphModelRunner:
             raise ValueError(f"verify widths must be 1 or {width}, got {verify_widths}")
         self.block = block_verification
         self.synthetic = steps.synthetic_rates(synthetic_acceptance, width, target.device)  # benchmarks only
+        # sampled verify's truncation in the graph: "sort" (every row sorted) or "triton" (sort-free kernel)
+        if sampler not in ("sort", "triton") or (sampler == "triton" and not use_triton(target.device)):
+            raise ValueError(f"--sampler-backend {sampler!r}: sort, or triton where Triton runs (CUDA)")
+        self.truncate_kernel = sampler == "triton"
         # the target's attention: the live kernel where Triton runs it (CUDA), else the masked SDPA
         attention = attention or ("live" if target.device.type == "cuda" and use_triton(target.device) else "sdpa")
         if attention == "live" and not use_triton(target.device):
@@ -332,6 +337,7 @@ class GraphModelRunner:
             self.block,
             capturable=True,
             synthetic=None if self.synthetic is None else self.synthetic[: w - 1],
+            truncate_kernel=self.truncate_kernel,
         )
         out["rows"] = steps.result_rows(res)
         out["logits"] = logits  # read after the replay only when a request asks for logprobs

@@ -262,6 +262,7 @@ def accept(
     block: bool,
     capturable: bool = False,
     synthetic: torch.Tensor | None = None,
+    truncate_kernel: bool = False,
 ) -> VerifyResult:
     """The verifier choice, made here only: over the target's ``logits [B, g+1, V]``, greedy for a
     greedy batch, else token-level or block verification against the processed ``p_target``.
@@ -272,13 +273,13 @@ def accept(
             u = torch.rand(drafts.shape, device=logits.device)  # graph-safe: CUDA's generator is captured
             return synthetic_verify(drafts, logits, synthetic, u, None)
         temperature, top_k, top_p, min_p = sampling.params()
-        p_target = probs_from_logits(logits, temperature, top_k, top_p, min_p, capturable=capturable)
+        p_target = probs_from_logits(logits, temperature, top_k, top_p, min_p, capturable, truncate_kernel)
         return synthetic_verify(drafts, p_target, synthetic, sampling.accept_u, sampling.emit_u)
     if sampling is None:
         return greedy_verify(drafts, logits)
     if q_draft is None:
         raise ValueError("a sampled batch needs q_draft")
     temperature, top_k, top_p, min_p = sampling.params()
-    p_target = probs_from_logits(logits, temperature, top_k, top_p, min_p, capturable=capturable)
+    p_target = probs_from_logits(logits, temperature, top_k, top_p, min_p, capturable, truncate_kernel)
     verify = block_verify if block else token_level_verify
     return verify(drafts, q_draft, p_target, sampling.accept_u, sampling.emit_u)

@@ -162,6 +162,7 @@ def cmd_serve(args) -> int:
         page_size=args.page_size,
         disable_cuda_graph=args.disable_cuda_graph,
         attention_backend=args.attention_backend,
+        sampler_backend=args.sampler_backend,
         runner=args.model_runner,
         chunked_prefill_size=args.chunked_prefill_size,
         speculative_planner=args.speculative_planner,
