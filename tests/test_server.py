@@ -420,3 +420,25 @@ def test_streamed_choices_of_n_and_of_a_batch(server):
         for c in ch.choices:
             texts[c.index] = texts.get(c.index, "") + c.text
     assert texts == {c.index: c.text for c in whole.choices}
+
+
+def test_min_tokens_on_every_route(server):
+    """min_tokens (OpenAI / vLLM) and min_new_tokens (SGLang): the answer is at least that long."""
+    url, model, tok = server
+    client = _client(url)
+    chat = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=30,
+        temperature=0,
+        extra_body={"min_tokens": 30},
+    )
+    assert chat.usage.completion_tokens == 30 and chat.choices[0].finish_reason == "length"
+    g = httpx.post(
+        url + "/generate",
+        json={"text": "Hi", "sampling_params": {"max_new_tokens": 25, "min_new_tokens": 25, "temperature": 0}},
+        timeout=120,
+    ).json()
+    assert len(g["output_ids"]) == 25
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        client.completions.create(model="default", prompt="Hi", max_tokens=4, extra_body={"min_tokens": 5})

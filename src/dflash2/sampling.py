@@ -35,6 +35,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: each output token's log-probability and the top k (<= 20)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (vLLM's name; the first has none)
+    min_tokens: int = 0  # EOS, stop ids and stop strings cannot end the output before this many tokens
 
     def __post_init__(self):
         def num(x) -> bool:
@@ -63,6 +64,11 @@ class SamplingParams:
                 "logprobs",
                 self.logprobs is None or (whole(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                 f"null or an integer in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                "min_tokens",
+                whole(self.min_tokens) and 0 <= self.min_tokens <= self.max_new_tokens,
+                "an integer in [0, max_new_tokens]",
             ),
             (
                 "prompt_logprobs",

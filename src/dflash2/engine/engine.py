@@ -35,6 +35,7 @@ from .steps import (
     eos_ids,
     first_token,
     make_generator,
+    stop_ids,
     stop_reason,
     token_logprobs,
 )
@@ -435,7 +436,8 @@ class LLMEngine:
                 self.prefilling.popleft()
                 if not req.output_ids:  # a new request: its first token comes from the prefill
                     assert req.generator is not None
-                    tok = first_token(logits, req.sampling, req.generator)
+                    stops = stop_ids(req.sampling, self.eos) if req.sampling.min_tokens > 0 else None
+                    tok = first_token(logits, req.sampling, req.generator, stops)
                     if req.sampling.logprobs is not None:
                         self._record_logprobs(req, logits.view(1, -1), [tok])
                     req.first_token_at = time.perf_counter()
@@ -469,7 +471,11 @@ class LLMEngine:
                 req.matched_stop = tok
             elif reason is None and len(req.all_ids) >= self.cfg.context_length:
                 reason = "length"
-            elif req.stop_strings and (hit := self._hits_stop_string(req)) is not None:
+            elif (
+                req.stop_strings
+                and len(req.output_ids) >= sp.min_tokens
+                and (hit := self._hits_stop_string(req)) is not None
+            ):
                 reason, req.matched_stop = "stop", hit
             if reason:
                 break

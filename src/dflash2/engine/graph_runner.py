@@ -179,6 +179,11 @@ class GraphModelRunner:
             torch.full((num_slots,), 0.5, **f32),
         )
         self.q_draft = torch.zeros(num_slots, g, V, **f32)
+        # min_tokens: per slot its stop ids and the output tokens still owed (0: nothing suppressed)
+        self.eos = steps.eos_ids(target)
+        self.stop_mask = torch.zeros(num_slots, V, dtype=torch.bool, device=dev)
+        self.owed = torch.zeros(num_slots, **lng)
+        self.owed_host = [0] * num_slots
         if draft is not None:
             d = draft.config
             p = next(draft.parameters())
@@ -293,6 +298,18 @@ class GraphModelRunner:
             self.tables[s, :n] = torch.tensor(req.block_table, dtype=torch.int32, device=self.tables.device)
             self.synced[s] = n
 
+    def _sync_owed(self, req: Request, moved: bool) -> None:
+        """The slot's min_tokens state: its stop ids when a request with min_tokens enters it, and the
+        tokens still owed whenever that count changes (written only then)."""
+        s, left = req.slot, steps.min_tokens_left(req)
+        assert s is not None
+        if moved or left != self.owed_host[s]:
+            if moved or self.owed_host[s] == 0:
+                self.stop_mask[s] = False
+                if left:
+                    self.stop_mask[s, steps.stop_ids(req.sampling, self.eos)] = True
+            self.owed[s], self.owed_host[s] = left, left
+
     def _at(self, B: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Page and offset of positions ``pos [B, n]`` of slots ``0 .. B-1``."""
         return self.tables[:B].gather(1, pos // self.page).long(), pos % self.page
@@ -325,6 +342,7 @@ class GraphModelRunner:
 
     def _verify_fn(self, B: int, greedy: bool, kv_len: int, out: dict, w: int) -> None:
         logits, feats = self.static.forward(self.ids[:B, :w], self.start[:B], kv_len=kv_len, tables=self.tables[:B])
+        logits = steps.suppress_stops(logits, self.stop_mask[:B], self.owed[:B])
         if self.draft is not None:  # every row's latent at its position (rows past the accepted ones stay masked)
             pos = self.start[:B, None] + self.ar[:w]
             page, off = self._at(B, pos)
@@ -403,6 +421,7 @@ class GraphModelRunner:
         idx, B, kv_len = self._index(reqs)
         for r in reqs:
             self._sync_table(r)
+            self._sync_owed(r, r.slot in self.stale)
         stale = [r for r in reqs if r.slot in self.stale]
         if stale:
             dev = self.ids.device

@@ -44,6 +44,7 @@ class ModelRunner:
     ):
         self.target, self.draft, self.bm = target, draft, block_manager
         self.synthetic = steps.synthetic_rates(synthetic_acceptance, width, target.device)
+        self.eos = steps.eos_ids(target)
         self.kv = block_manager  # what the scheduler admits against: pages of the pool
         self.use_graph = False
         self.w, self.block = width, block_verification
@@ -125,6 +126,12 @@ class ModelRunner:
         t1 = time.perf_counter()
         blocks = torch.cat([anchors[:, None], drafts], dim=1)
         logits, feats, kv = self._forward(reqs, blocks)
+        left = [steps.min_tokens_left(r) for r in reqs]
+        if any(left):  # min_tokens: the stop ids are -inf on the rows that are still owed
+            mask = torch.zeros(len(reqs), logits.shape[-1], dtype=torch.bool, device=logits.device)
+            for b, r in enumerate(reqs):
+                mask[b, steps.stop_ids(r.sampling, self.eos)] = True
+            logits = steps.suppress_stops(logits, mask, torch.tensor(left, device=logits.device))
         res = steps.accept(logits, drafts, q_draft, sampling, self.block, synthetic=self.synthetic)
         out = steps.finish_step(steps.result_rows(res), t0, t1)
         out.logits = logits if steps.wants_logprobs(reqs) else None

@@ -33,8 +33,14 @@ def draw_uniforms(gen: torch.Generator, g: int) -> torch.Tensor:
     return torch.cat([torch.rand(g, generator=gen), torch.rand(g, generator=gen), torch.rand(1, generator=gen)])
 
 
-def first_token(logits_row: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> int:
-    """The token the prefill emits, from the prompt's last logits row (one uniform of ``gen``)."""
+def first_token(
+    logits_row: torch.Tensor, sampling: SamplingParams, gen: torch.Generator, stops: list[int] | None = None
+) -> int:
+    """The token the prefill emits, from the prompt's last logits row (one uniform of ``gen``);
+    ``stops``: ids it may not be (``min_tokens``, :func:`stop_ids`)."""
+    if stops:
+        logits_row = logits_row.clone()
+        logits_row[..., stops] = float("-inf")
     p_last = probs_from_logits(logits_row, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
     return int(sample_from_probs(p_last, torch.rand((), generator=gen).to(p_last.device)))
 
@@ -47,11 +53,31 @@ def eos_ids(target) -> set[int]:
     return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}
 
 
+def stop_ids(sampling: SamplingParams, eos: set[int]) -> list[int]:
+    """The ids that would end the output (EOS unless ``ignore_eos``, and the stop ids)."""
+    return sorted((set() if sampling.ignore_eos else set(eos)) | set(sampling.stop_token_ids))
+
+
+def min_tokens_left(req) -> int:
+    """Output tokens still owed before a stop may come (``min_tokens``)."""
+    return max(0, req.sampling.min_tokens - len(req.output_ids))
+
+
+def suppress_stops(logits: torch.Tensor, stop_mask: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+    """``min_tokens`` on the verify rows ``logits [B, w, V]``: row ``i`` of request ``b`` is output
+    token ``i + 1`` of the step, so its stop ids (``stop_mask [B, V]``) are -inf while ``i < left[b]``.
+    The target's distribution itself changes (as vLLM's min_tokens processor does), so the verifiers
+    stay exact against it; a draft's stop token is simply rejected. No host reads."""
+    w = logits.shape[1]
+    owed = torch.arange(w, device=logits.device)[None, :] < left[:, None]  # [B, w]
+    return logits.masked_fill(stop_mask[:, None, :] & owed[..., None], float("-inf"))
+
+
 def stop_reason(tok: int, num_out: int, sampling: SamplingParams, eos: set[int]) -> str | None:
     """The stop rule after appending ``tok`` as output token number ``num_out``: "stop" at EOS (unless
     ``ignore_eos``) or a stop id, "length" at ``max_new_tokens``, else None. (The engine adds its
     context length and stop strings.)"""
-    if (tok in eos and not sampling.ignore_eos) or tok in sampling.stop_token_ids:
+    if ((tok in eos and not sampling.ignore_eos) or tok in sampling.stop_token_ids) and num_out >= sampling.min_tokens:
         return "stop"
     return "length" if num_out >= sampling.max_new_tokens else None
 

@@ -311,6 +311,7 @@ def make_request(
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            min_tokens=getattr(body, "min_tokens", None) or getattr(body, "min_new_tokens", None) or 0,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None

@@ -43,9 +43,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
     "response_format": (None, {"type": "text"}),
-    "min_tokens": (None, 0),
     "suffix": (None, ""),
-    "min_new_tokens": (None, 0),
     "json_schema": (None,),
     "regex": (None,),
     "ebnf": (None,),
@@ -108,7 +106,7 @@ class _Sampling(_Base):
 class SamplingFields(_Sampling):
     user: str | None = None  # accepted; a no-op here
     logprobs: bool | int | None = None
-    min_tokens: int | None = None
+    min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     best_of: int | None = None
 
 
@@ -208,7 +206,7 @@ class CompletionRequest(SamplingFields, _Streamed):
 class GenerateSampling(_Sampling):
     max_new_tokens: int = Field(128, ge=1, le=MAX_TOKENS)
     sampling_seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # SGLang's name for seed
-    min_new_tokens: int | None = None
+    min_new_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)  # SGLang's name for min_tokens
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
