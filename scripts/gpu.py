@@ -740,7 +740,8 @@ def stage_sampler(args) -> None:
     rows kept identically, and ms per call of each as CUDA-graph replays. $OUT/sampler.json."""
     import torch
     from dflash2.engine.graph_runner import Replay
-    from dflash2.kernels.truncate import truncate, truncate_ref
+    from dflash2.kernels.truncate import truncate
+    from dflash2.sampling import truncate_sorted as truncate_ref
 
     info = env_report()
     dev = args.graph_device

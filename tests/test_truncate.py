@@ -8,7 +8,8 @@ from targets import build
 from test_engine import _run
 from test_speculative import random_draft
 from dflash2.kernels.live_attention import use_triton
-from dflash2.kernels.truncate import truncate, truncate_ref
+from dflash2.kernels.truncate import truncate
+from dflash2.sampling import truncate_sorted as truncate_ref
 from dflash2.target import TargetModel
 
 needs_interpreter = pytest.mark.skipif(

@@ -115,6 +115,12 @@ def _truncate(probs, sorted_p, idx, k, tp, mp) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(_drop(sorted_p, k, tp, mp), 0.0))
 
 
+def truncate_sorted(probs, k, tp, mp) -> torch.Tensor:
+    """The reference truncation: every row sorted (descending, ties by id), :func:`_drop` applied."""
+    vals, idx = probs.sort(dim=-1, descending=True, stable=True)
+    return _truncate(probs, vals, idx, k, tp, mp)
+
+
 def _truncate_top(probs, k, tp, mp, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_truncate` from each row's top ``n`` only (a full sort of a 49k row costs tens of ms on
     a CPU). A row is exact (``ok``) when its last kept value is above its n-th value: then every
@@ -170,7 +176,7 @@ def probs_from_logits(
 
             out = truncate_rows(P, K, TP, MP)
         elif capturable:
-            out = _truncate(P, *P.sort(dim=-1, descending=True, stable=True), K, TP, MP)
+            out = truncate_sorted(P, K, TP, MP)
         else:
             out, ok = _truncate_top(P, K, TP, MP, min(V, max(FAST_TOP, int(K.max()))))
             if not bool(ok.all()):  # rows whose kept set reaches past the top entries: sort them fully

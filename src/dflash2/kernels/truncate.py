@@ -16,8 +16,8 @@ sort-then-cumsum reference, so a row whose cumulative mass lands within rounding
 keep one token more or less. Every path that serves a request uses the same function, so sampling
 stays exact for that function.
 
-:func:`truncate_ref` is the sort-based reference. CPU tests check the kernel against it under
-Triton's interpreter.
+:func:`dflash2.sampling.truncate_sorted` is the sort-based reference. CPU tests check the kernel
+against it under Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -30,17 +30,11 @@ if triton is not None:
     import triton.language as tl
 
 
-def truncate_ref(probs: torch.Tensor, k: torch.Tensor, tp: torch.Tensor, mp: torch.Tensor) -> torch.Tensor:
-    """``probs [R, V]`` with what top-k / top-p / min-p drop zeroed (``k``, ``tp``, ``mp``: ``[R, 1]``)."""
-    from ..sampling import _truncate
-
-    return _truncate(probs, *probs.sort(dim=-1, descending=True, stable=True), k, tp, mp)
-
-
 def truncate(probs: torch.Tensor, k: torch.Tensor, tp: torch.Tensor, mp: torch.Tensor) -> torch.Tensor:
-    """As :func:`truncate_ref`, by the kernel where Triton runs (CUDA, or its interpreter)."""
+    """``probs [R, V]`` with what top-k / top-p / min-p drop zeroed (``k``, ``tp``, ``mp``: ``[R, 1]``),
+    as :func:`dflash2.sampling.truncate_sorted`, where Triton runs (CUDA, or its interpreter)."""
     if not use_triton(probs.device):
-        return truncate_ref(probs, k, tp, mp)
+        raise RuntimeError("the truncation kernel needs Triton (CUDA, or TRITON_INTERPRET=1)")
     R, V = probs.shape
     p = probs.contiguous()
     out = torch.empty_like(p)
