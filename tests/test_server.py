@@ -308,7 +308,7 @@ def test_logprobs_are_the_targets(server):
     top = g["meta_info"]["output_top_logprobs"]
     assert [[x[1] for x in row] for row in top] == lp.topk(2, -1).indices.tolist()
 
-    chat = client.chat.completions.create(
+    chat_kw = dict(
         model="default",
         messages=[{"role": "user", "content": prompt}],
         max_tokens=10,
@@ -316,6 +316,7 @@ def test_logprobs_are_the_targets(server):
         logprobs=True,
         top_logprobs=3,
     )
+    chat = client.chat.completions.create(**chat_kw)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     for c in content:  # greedy: the chosen token is the most likely one
@@ -352,15 +353,7 @@ def test_logprobs_are_the_targets(server):
     assert torch.allclose(torch.tensor([x[0] for x in g2["input_token_logprobs"]]), want[1:], atol=1e-4)
 
     # streamed: the chunks' logprobs together are the whole answer's
-    stream = client.chat.completions.create(
-        model="default",
-        messages=[{"role": "user", "content": prompt}],
-        max_tokens=10,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=3,
-        stream=True,
-    )
+    stream = client.chat.completions.create(stream=True, **chat_kw)
     streamed = [c for ch in stream if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
     assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
     stream = client.completions.create(
