@@ -93,10 +93,9 @@ def live_attention(
     BLOCK_N = 64 if d <= 128 else 32
     if P % BLOCK_N:
         raise ValueError(f"page size {P} must be a multiple of {BLOCK_N}")
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"head_dim {d} must be a power of two >= 16 for the kernel")
+    BLOCK_D = max(16, triton.next_power_of_2(d))  # head dims like 80 or 8 are padded, masked lanes
     n_split = num_splits or num_splits_for(B, KV, block_table.shape[1] * P)
-    o_part = torch.empty(B, KV, n_split, BLOCK_M, d, dtype=torch.float32, device=q.device)
+    o_part = torch.empty(B, KV, n_split, BLOCK_M, BLOCK_D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(B, KV, n_split, BLOCK_M, dtype=torch.float32, device=q.device)
     out = torch.empty(B, L, H, d, dtype=q.dtype, device=q.device)  # what o_proj reads, transposed below
     table = block_table if block_table.dtype == torch.int32 else block_table.int()
@@ -105,7 +104,7 @@ def live_attention(
         *q.stride(), *k_pool.stride(), *v_pool.stride(), table.stride(0),
         *o_part.stride()[:4], *lse_part.stride()[:3],
         scale, L, KV, G, M,
-        PAGE=P, NSPLIT=n_split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d,
+        PAGE=P, NSPLIT=n_split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=BLOCK_D, HEAD_D=d,
         # float32 stays float32 (tl.dot's default is TF32, which moved fp32 logits by 0.06 on the H200)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
@@ -113,7 +112,7 @@ def live_attention(
         o_part, lse_part, out,
         *o_part.stride()[:4], *lse_part.stride()[:3], *out.stride()[:3],
         L, KV, G, M,
-        NSPLIT=n_split, BLOCK_M=BLOCK_M, D=d,
+        NSPLIT=n_split, BLOCK_M=BLOCK_M, D=BLOCK_D, HEAD_D=d,
     )  # fmt: skip
     return out.transpose(1, 2)
 
@@ -127,7 +126,7 @@ if triton is not None:
         so_b, so_h, so_s, so_m, sl_b, sl_h, sl_s,
         scale, L, KV, G, M,
         PAGE: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-        PRECISION: tl.constexpr,
+        HEAD_D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         bh, split = tl.program_id(0), tl.program_id(1)
         b, kvh = bh // KV, bh % KV
@@ -135,11 +134,12 @@ if triton is not None:
         g, i = rows // L, rows % L
         row_ok = rows < M
         dd = tl.arange(0, D)
+        d_ok = dd < HEAD_D
         start = tl.load(START + b)
         q_pos = start + i
         q = tl.load(
             Q + b * sq_b + (kvh * G + g)[:, None] * sq_h + i[:, None] * sq_l + dd[None, :] * sq_d,
-            mask=row_ok[:, None],
+            mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
         live = start + L
@@ -156,12 +156,12 @@ if triton is not None:
             off = k_pos % PAGE
             k = tl.load(
                 K + page[:, None] * sk_p + kvh * sk_h + off[:, None] * sk_s + dd[None, :] * sk_d,
-                mask=k_ok[:, None],
+                mask=k_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
             v = tl.load(
                 V + page[:, None] * sv_p + kvh * sv_h + off[:, None] * sv_s + dd[None, :] * sv_d,
-                mask=k_ok[:, None],
+                mask=k_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -183,7 +183,7 @@ if triton is not None:
         O_PART, LSE_PART, OUT,
         so_b, so_h, so_s, so_m, sl_b, sl_h, sl_s, sout_b, sout_l, sout_h,
         L, KV, G, M,
-        NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
+        NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, HEAD_D: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
         b, kvh = bh // KV, bh % KV
@@ -202,4 +202,4 @@ if triton is not None:
         g, i = rows // L, rows % L
         out = acc / tl.where(den > 0, den, 1.0)[:, None]
         ptr = OUT + b * sout_b + i[:, None] * sout_l + (kvh * G + g)[:, None] * sout_h + dd[None, :]
-        tl.store(ptr, out.to(OUT.dtype.element_ty), mask=(rows < M)[:, None])
+        tl.store(ptr, out.to(OUT.dtype.element_ty), mask=(rows < M)[:, None] & (dd < HEAD_D)[None, :])
