@@ -19,6 +19,9 @@
                                     #   against HF) and with a NaN-weight drafter (sampled distribution)
   python scripts/gpu.py attn        # no carry, no stash: the engine's graphs at batch 1 and 8 with SDPA or
                                     #   matmul attention over 1,029 / 4,101 positions (random SmolLM2-shaped target)
+  python scripts/gpu.py layers --concurrency 1,8,32,64
+                                    # no carry, no stash: the fused layer kernels against their references
+                                    #   (bf16, fp32), fused StaticTarget against HF, forward ms unfused / fused
   python scripts/gpu.py graphs --graph-limit 20 --check-prompts 6 --eager-limit 3 [--breakdown]
                                     # carry work/gsm8k_test.jsonl: batch 1, the engine with one slot (CUDA graphs):
                                     #   fp32 + bf16 token checks, graphed side-by-side speed, eager reference
@@ -918,6 +921,132 @@ def stage_hardening(args) -> None:
     (OUT / "hardening.json").write_text(json.dumps(report, indent=1))
 
 
+SHAPES = {  # random-weight Llama targets the GPU stages time (timing does not depend on weights)
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
+    "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+}  # fmt: skip
+
+
+def copy_bandwidth(dev: str) -> float:
+    """Bytes read + written per second by a 1 GiB device copy (the weight-read floor's bandwidth)."""
+    import torch
+
+    x = torch.empty(1 << (30 if dev == "cuda" else 24), dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    return 2 * x.numel() / (replay_ms(partial(y.copy_, x), 20) / 1e3)
+
+
+def stage_layers(args) -> None:
+    """The fused layer kernels (kernels/layer_ops.py) on real shapes: each against its torch reference
+    in bf16 and fp32 (largest difference, share of elements equal); StaticTarget with fused layers
+    against Hugging Face's forward (check(): fp32 SmolLM2 shape, bf16 both); then the graphed static
+    forward (live attention), unfused vs fused, by batch and tokens, against the weight-read floor.
+    No stash. $OUT/layers.json."""
+    import torch
+    import transformers as tf
+    from dflash2.engine.graph_runner import Replay
+    from dflash2.kernels import layer_ops as ops
+    from dflash2.target import TargetModel
+    from dflash2.target.static_llama import StaticTarget
+
+    info = env_report()
+    dev = args.graph_device
+    cuda = dev == "cuda"
+    report: dict = {"env": info, "kernels": {}, "check": {}, "forward_ms": {}}
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def cmp(name, out, ref):
+        report["kernels"][name] = {
+            "max_abs_diff": float((out.float() - ref.float()).abs().max()),
+            "equal_share": float((out == ref).float().mean()),
+        }
+
+    for dtype in (torch.bfloat16, torch.float32):
+        dn = str(dtype).split(".")[-1]
+        for shape, (hid, H, KV, d, inter) in {
+            "smollm2": (576, 9, 3, 64, 1536),
+            "llama8b": (4096, 32, 8, 128, 14336),
+        }.items():
+            x, r = (torch.randn(64, 5, hid, device=dev, generator=g).to(dtype) for _ in range(2))
+            w = (1 + 0.1 * torch.randn(hid, device=dev, generator=g)).to(dtype)
+            cmp(
+                f"{dn} {shape} add_rms_norm", ops.add_rms_norm(x, w, 1e-5, r)[0], ops.add_rms_norm_ref(x, w, 1e-5, r)[0]
+            )
+            gu = torch.randn(64, 5, 2 * inter, device=dev, generator=g).to(dtype)
+            cmp(f"{dn} {shape} silu_mul", ops.silu_mul(gu), ops.silu_mul_ref(gu))
+            B, L, P = 64, 5, 64
+            qkv = torch.randn(B, L, (H + 2 * KV) * d, device=dev, generator=g).to(dtype)
+            rot = tf.models.llama.modeling_llama.LlamaRotaryEmbedding(
+                tf.LlamaConfig(hidden_size=hid, num_attention_heads=H, rope_theta=500000.0)
+            ).to(dev)
+            start = torch.randint(0, 4 * P - L, (B,), device=dev, generator=g)
+            cos, sin = rot(qkv, start[:, None] + torch.arange(L, device=dev))
+            table = torch.randperm(4 * B + 1, device=dev, generator=g)[: 4 * B].view(B, 4).int()
+            pools = [torch.zeros(4 * B + 1, KV, P, d, device=dev, dtype=dtype) for _ in range(4)]
+            q = ops.rope_kv_write(qkv, cos, sin, pools[0], pools[1], table, start, H, KV)
+            q_ref = ops.rope_kv_write_ref(qkv, cos, sin, pools[2], pools[3], table, start, H, KV)
+            cmp(f"{dn} {shape} rope q", q, q_ref)
+            cmp(f"{dn} {shape} rope k cache", pools[0], pools[2])
+            cmp(f"{dn} {shape} rope v cache", pools[1], pools[3])
+    for key, r in report["kernels"].items():
+        log(f"  {key:<32} max diff {r['max_abs_diff']:.3g}  equal {r['equal_share']:.4f}")
+    for shape, dtype in (("smollm2", torch.float32), ("smollm2", torch.bfloat16), ("llama8b", torch.bfloat16)):
+        if shape not in args.attn_shapes.split(","):
+            continue
+        torch.manual_seed(0)
+        with torch.device(dev):
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(max_position_embeddings=8192, **SHAPES[shape]))
+        model = model.to(dtype).eval()
+        target = TargetModel(model, layer_ids=[1, 8])
+        for fused in (False, True):
+            st = StaticTarget(target, 256, attention="live", fused=fused)
+            try:
+                result: float | str = st.check(length=40)
+            except RuntimeError as e:  # recorded, not fatal: the timing below still runs
+                result = str(e)
+            report["check"][f"{shape} {str(dtype).split('.')[-1]} fused={fused}"] = result
+            del st
+        del model, target
+        torch.cuda.empty_cache() if cuda else None
+    log(f"check() against HF (largest logit diff): {json.dumps(report['check'])}")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "layers.json").write_text(json.dumps(report, indent=1))
+    bandwidth = copy_bandwidth(dev)
+    report["copy_bandwidth_tb_s"] = round(bandwidth / 1e12, 3)
+    n = 100 if cuda else 2
+    batches = [int(b) for b in args.concurrency.split(",")]
+    for shape in args.attn_shapes.split(","):
+        torch.manual_seed(0)
+        with torch.device(dev):
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(max_position_embeddings=8192, **SHAPES[shape]))
+        model = model.to(torch.bfloat16).eval()
+        target = TargetModel(model, layer_ids=[1, 8])
+        floor_ms = sum(p.numel() * p.element_size() for p in model.parameters()) / bandwidth * 1e3
+        r = report["forward_ms"][shape] = {"weight_floor_ms": round(floor_ms, 3)}
+        for fused in (False, True):
+            for B in batches:
+                st = StaticTarget(target, 1088, slots=B, attention="live", fused=fused)
+                start = torch.full((B,), 300, dtype=torch.long, device=dev)
+                for L in (1, 5, 8):
+                    ids = torch.randint(100, 20000, (B, L), device=dev)
+                    rep = Replay(partial(st.forward, ids, start), cuda)
+                    r[f"fused={fused} B{B} L{L}"] = round(replay_ms(rep, n), 3)
+                    del rep
+                del st
+                torch.cuda.empty_cache() if cuda else None
+        log(f"{shape}: static forward ms (graphed, live attention, position 300); weight floor {floor_ms:.2f} ms")
+        for B in batches:
+            cells = "  ".join(
+                f"L{L}: {r[f'fused=False B{B} L{L}']:.2f} -> {r[f'fused=True B{B} L{L}']:.2f}" for L in (1, 5, 8)
+            )
+            log(f"  B{B:<3} {cells}")
+        del model, target
+        torch.cuda.empty_cache() if cuda else None
+        (OUT / "layers.json").write_text(json.dumps(report, indent=1))
+
+
 def stage_attn(args) -> None:
     """The live-KV attention kernel (kernels/live_attention.py) on real shapes: checked against the
     torch reference, then timed against the masked SDPA over the whole buffer (what the static
@@ -975,22 +1104,12 @@ def stage_attn(args) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "attn.json").write_text(json.dumps(report, indent=1))
     # 2. the static forward, graphed: ms per call by batch and tokens, sdpa vs live, rows at position ~300
-    x = torch.empty(1 << (30 if cuda else 24), dtype=torch.uint8, device=dev)
-    y = torch.empty_like(x)
-    copy_ms = replay_ms(partial(y.copy_, x), 20)
-    bandwidth = 2 * x.numel() / (copy_ms / 1e3)  # bytes read + written per second
-    del x, y
+    bandwidth = copy_bandwidth(dev)
     report["copy_bandwidth_tb_s"] = round(bandwidth / 1e12, 3)
-    shapes = {
-        "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
-        "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
-    }  # fmt: skip
     for shape in args.attn_shapes.split(","):
         torch.manual_seed(0)
         with torch.device(dev):
-            model = tf.LlamaForCausalLM(tf.LlamaConfig(max_position_embeddings=8192, **shapes[shape]))
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(max_position_embeddings=8192, **SHAPES[shape]))
         model = model.to(torch.bfloat16).eval()
         target = TargetModel(model, layer_ids=[1, 8])
         floor_ms = sum(p.numel() * p.element_size() for p in model.parameters()) / bandwidth * 1e3
@@ -1025,7 +1144,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
         "stage",
-        choices=["stash", "prepare", "train", "bench", "graphs", "engine", "attn", "hardening", "steps", "sampler"],
+        choices=[
+            "stash",
+            "prepare",
+            "train",
+            "bench",
+            "graphs",
+            "engine",
+            "attn",
+            "hardening",
+            "steps",
+            "sampler",
+            "layers",
+        ],
     )
     ap.add_argument("--sampler-backends", default="sort", help="steps: e.g. sort,triton (the sampled truncation)")
     ap.add_argument("--attn-shapes", default="smollm2,llama8b", help="attn: random targets of these shapes timed")
@@ -1098,6 +1229,7 @@ def main() -> None:
         "hardening": stage_hardening,
         "steps": stage_steps,
         "sampler": stage_sampler,
+        "layers": stage_layers,
     }[args.stage](args)
 
 

@@ -34,6 +34,13 @@ def build(arch: str, seed: int = 0, dtype=torch.float32):
     elif arch == "llama_hd16":  # head_dim 16: the smallest the Triton attention kernel takes
         cfg = tf.LlamaConfig(**_common(hidden_size=64, intermediate_size=96))
         model = tf.LlamaForCausalLM(cfg)
+    elif arch == "qwen2":  # biased q / k / v projections
+        cfg = tf.Qwen2Config(**_common())
+        model = tf.Qwen2ForCausalLM(cfg)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("bias"):
+                    p.normal_(0, 0.3)
     elif arch == "qwen3":
         cfg = tf.Qwen3Config(**_common(head_dim=8))
         model = tf.Qwen3ForCausalLM(cfg)

@@ -115,10 +115,10 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--sampler-backend",
-        default="sort",
-        choices=["sort", "triton"],
+        default="auto",
+        choices=["auto", "sort", "triton"],
         help="the static runner's top-k / top-p / min-p inside its CUDA graphs: sort (every vocabulary row "
-        "sorted) or triton (a sort-free kernel; opt-in until it is timed on a GPU)",
+        "sorted), triton (a sort-free kernel) or auto (default): triton on CUDA",
     )
     ap.add_argument("--verify-manifest", default=None, help="refuse a drafter whose files fail this manifest")
     ap.add_argument("--manifest-signature", default=None)

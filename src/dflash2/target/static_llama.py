@@ -18,7 +18,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ..kernels.live_attention import live_attention
+from ..kernels.layer_ops import add_rms_norm, rope_kv_write, silu_mul
+from ..kernels.live_attention import live_attention, use_triton
 from .adapter import TargetModel
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -65,7 +66,10 @@ class StaticTarget:
         attention: str = "sdpa",
         page_size: int | None = None,
         num_pages: int | None = None,
+        fused: bool | None = None,
     ):
+        """``fused``: each layer as ten kernels (kernels/layer_ops.py, q|k|v and gate|up as one
+        matmul each); default on CUDA where the layout allows it (SiLU MLP, no per-head q/k norm)."""
         reason = unsupported_reason(target)
         if reason:
             raise ValueError(f"static forward does not support {reason}")
@@ -103,6 +107,15 @@ class StaticTarget:
             else torch.arange(self.max_pages, dtype=torch.int32, device=dev).clamp_(max=num_pages - 1)[None]
         )
         self.neg = torch.finfo(target.dtype).min
+        layer0 = self.inner.layers[0]
+        fusable = getattr(cfg, "hidden_act", "silu") == "silu" and not hasattr(attn, "q_norm")
+        fusable = fusable and all(hasattr(layer0.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+        if fused and not (fusable and use_triton(dev)):
+            raise ValueError("fused layers need Triton (CUDA) and a SiLU-MLP layer without q/k norms")
+        self.fused = fusable and use_triton(dev) and dev.type == "cuda" if fused is None else fused
+        if self.fused:
+            self.qkv = [concat_linears(lay.self_attn, ("q_proj", "k_proj", "v_proj")) for lay in self.inner.layers]
+            self.gate_up = [concat_linears(lay.mlp, ("gate_proj", "up_proj")) for lay in self.inner.layers]
 
     @torch.no_grad()
     def forward(
@@ -136,6 +149,8 @@ class StaticTarget:
         x = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(x, pos)
         feats = {}
+        if self.fused:
+            return self._forward_fused(x, cos, sin, mask, slot, start, kv_len, tables)
         for i, layer in enumerate(self.inner.layers):
             x = x + self._attention(
                 layer.self_attn, layer.input_layernorm(x), cos, sin, pos, mask, i, slot, start, kv_len, tables
@@ -146,6 +161,30 @@ class StaticTarget:
         logits = self.target.model.lm_head(self.inner.norm(x)).float()
         feats = torch.cat([feats[i] for i in self.target.layer_ids], -1) if feats else x.new_empty(B, L, 0)
         return logits, feats
+
+    def _forward_fused(self, x, cos, sin, mask, slot, start, kv_len, tables):
+        """As the loop in :meth:`forward`, each residual add fused into the next norm: the residual
+        stream ``res`` after layer ``i`` comes out of layer ``i + 1``'s input norm (or the final one)."""
+        layers = self.inner.layers
+        h, res = add_rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.variance_epsilon)
+        feats = {}
+        for i, layer in enumerate(layers):
+            w, b = self.qkv[i]
+            q = rope_kv_write(
+                F.linear(h, w, b), cos, sin, self.k_cache[i], self.v_cache[i], tables, start, self.n_heads, self.n_kv
+            )
+            out = self._attend(layer.self_attn, q, mask, i, slot, start, kv_len, tables)
+            norm = layer.post_attention_layernorm
+            h, res = add_rms_norm(out, norm.weight, norm.variance_epsilon, res)
+            w, b = self.gate_up[i]
+            out = layer.mlp.down_proj(silu_mul(F.linear(h, w, b)))
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.inner.norm
+            h, res = add_rms_norm(out, norm.weight, norm.variance_epsilon, res)
+            if i in self.target.layer_ids:
+                feats[i] = res
+        logits = self.target.model.lm_head(h).float()
+        B, L = x.shape[:2]
+        return logits, torch.cat([feats[i] for i in self.target.layer_ids], -1) if feats else x.new_empty(B, L, 0)
 
     def _attention(self, attn, h, cos, sin, pos, mask, layer, slot, start, kv_len, tables):
         B, L = h.shape[:2]
@@ -159,6 +198,11 @@ class StaticTarget:
         page, off = tables.gather(1, pos // self.page_size).long(), pos % self.page_size
         self.k_cache[layer, page, :, off] = k.transpose(1, 2)
         self.v_cache[layer, page, :, off] = v
+        return self._attend(attn, q, mask, layer, slot, start, kv_len, tables)
+
+    def _attend(self, attn, q, mask, layer, slot, start, kv_len, tables):
+        """``q [B, H, L, d]`` (rotated; this block's K/V already in the cache) -> ``o_proj`` output."""
+        B, L = q.shape[0], q.shape[2]
         if mask is None:  # live: the kernel reads each row's keys 0 .. its position, nothing stale
             out = live_attention(q, self.k_cache[layer], self.v_cache[layer], tables, start, self.scaling)
             return attn.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
@@ -216,3 +260,30 @@ class StaticTarget:
                 f"{type(self.target.model).__name__} is not the Llama layout it assumes"
             )
         return diff
+
+
+def concat_linears(module: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One ``(weight, bias)`` for the projections ``names`` of ``module`` stacked by output rows, so
+    they run as one matmul. The modules' own parameters become views of it: no second copy of the
+    weights, Hugging Face's forward unchanged. Done once per module (a second StaticTarget reuses it)."""
+    key = "_dflash2_" + "_".join(names)
+    done = getattr(module, key, None)
+    linears = [getattr(module, n) for n in names]
+    if done is not None and done[0].data_ptr() == linears[0].weight.data_ptr():
+        return done
+    weight = torch.cat([lin.weight.data for lin in linears])
+    has_bias = [lin.bias is not None for lin in linears]
+    bias = torch.cat([lin.bias.data for lin in linears]) if all(has_bias) else None
+    if any(has_bias) and bias is None:  # some with, some without: zeros stand in for the missing ones
+        bias = torch.cat(
+            [lin.bias.data if lin.bias is not None else weight.new_zeros(lin.out_features) for lin in linears]
+        )
+    rows = [lin.out_features for lin in linears]
+    for lin, w in zip(linears, weight.split(rows)):
+        lin.weight.data = w
+    if bias is not None:
+        for lin, b in zip(linears, bias.split(rows)):
+            if lin.bias is not None:
+                lin.bias.data = b
+    setattr(module, key, (weight, bias))
+    return weight, bias
