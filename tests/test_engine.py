@@ -270,3 +270,56 @@ def test_request_arriving_after_admission_is_not_failed(llama):
         assert eng._decode_batch() == [] and b.finish_reason is None
         eng.run_until_done()
         assert b.finish_reason == "length" and len(b.output_ids) == 3
+
+
+def test_batched_prefill_equals_one_at_a_time(llama, monkeypatch):
+    """Several admitted prompts of different lengths, some longer than the prefill budget (chunks
+    across steps), prefilled as one padded forward: the same outputs, first tokens and prompt
+    logprobs as one forward per request; when the batched forward fails, each goes alone."""
+    t, d = llama
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, VOCAB, (int(n),), generator=g) for n in (5, 40, 17, 3, 29, 11)]
+
+    def broken(chunks):
+        raise RuntimeError("batched forward failed")
+
+    def serve(batch_mode):
+        eng = LLMEngine(t, d, EngineConfig(max_running_requests=4, num_draft_tokens=4, context_length=128,
+                                               max_total_tokens=4096, page_size=8, runner="static",
+                                               chunked_prefill_size=24, speculative_planner="off"))  # fmt: skip
+        calls = []
+        real = eng.runner.prefill_batch
+        if batch_mode == "off":
+            monkeypatch.setattr(
+                eng.runner, "prefill_batch", lambda chunks: [eng.runner.prefill(r, n) for r, n in chunks]
+            )
+        elif batch_mode == "fails":
+            monkeypatch.setattr(eng.runner, "prefill_batch", broken)
+        else:
+            monkeypatch.setattr(eng.runner, "prefill_batch", lambda chunks: calls.append(len(chunks)) or real(chunks))
+        reqs = [
+            Request(
+                p.tolist(), SamplingParams(max_new_tokens=9, ignore_eos=True, prompt_logprobs=2 if i % 3 == 0 else None)
+            )
+            for i, p in enumerate(prompts)
+        ]
+        for r in reqs:
+            eng.add_request(r)
+        eng.run_until_done()
+        assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs]
+        return reqs, calls, list(eng.stats.accepted_by_position)
+
+    batched, calls, accepted = serve("on")
+    assert max(calls) > 1  # several requests' chunks did go through one forward
+    for mode in ("off", "fails"):
+        alone, _, acc = serve(mode)
+        assert acc == accepted  # the same drafts: the draft's latents of the padded rows are not kept
+        for a, b in zip(batched, alone):
+            assert a.output_ids == b.output_ids
+            assert a.prompt_logprobs == pytest.approx(b.prompt_logprobs, abs=1e-4)
+    for p, r in zip(prompts, batched):
+        ids = p.tolist()
+        for _ in range(9):  # the target's own greedy continuation, EOS included (ignore_eos)
+            ids.append(int(t.model(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert r.output_ids == ids[p.numel() :]
+        assert (r.prompt_logprobs != []) == (r.sampling.prompt_logprobs is not None)

@@ -424,17 +424,29 @@ class LLMEngine:
         is all in gets its first token."""
         size = self.cfg.chunked_prefill_size or -1
         budget = size if size > 0 else None
-        while self.prefilling and (budget is None or budget > 0):
-            req = self.prefilling[0]
+        chunks: list[tuple[Request, int]] = []
+        for req in self.prefilling:  # oldest first, each its next chunk, until the budget is spent
+            if budget is not None and budget <= 0:
+                break
             n = len(prefill_ids(req)) - req.prefill_pos
             if budget is not None:
                 n = min(n, budget)
                 budget -= n
+            chunks.append((req, n))
+        if not chunks:
+            return
+        batch = getattr(self.runner, "prefill_batch", None)
+        try:  # one forward for all the chunks where the runner can; else (or if it fails) one each
+            results = batch(chunks) if batch is not None else None
+        except Exception:
+            log.exception("batched prefill failed; prefilling one request at a time")
+            results = None
+        for i, (req, n) in enumerate(chunks):
             try:
-                logits = self.runner.prefill(req, n)
+                logits = results[i] if results is not None else self.runner.prefill(req, n)
                 if logits is None:
                     continue
-                self.prefilling.popleft()
+                self.prefilling.remove(req)
                 if not req.output_ids:  # a new request: its first token comes from the prefill
                     assert req.generator is not None
                     stops = stop_ids(req.sampling, self.eos) if req.sampling.min_tokens > 0 else None

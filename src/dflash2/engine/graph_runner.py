@@ -393,7 +393,7 @@ class GraphModelRunner:
         the first chunk: a decode step meanwhile runs it as an idle row, whose writes land at
         ``start`` = the prompt's end, rows its own first verify overwrites."""
         ids, p, dev = prefill_ids(req), req.prefill_pos, self.target.device
-        if p == 0:
+        if req.slot is None:  # its first chunk (or a retry of it after a failed batched prefill)
             req.slot = len(self.occupant)
             self.occupant.append(req)
         s = req.slot
@@ -402,15 +402,18 @@ class GraphModelRunner:
         self.start[s] = len(ids)
         chunk = ids[p : p + (max_tokens or len(ids))]
         table = self.tables[s : s + 1]
+        every_row = req.sampling.prompt_logprobs is not None and not req.output_ids
         logits, feats = self.static.forward(
             torch.tensor(chunk, device=dev)[None],
             torch.full((1,), p, dtype=torch.long, device=dev),
             slot=s,  # slot mode reads slot s's buffer directly
             kv_len=p + len(chunk),
             tables=table,
+            last=None if every_row else torch.full((1,), len(chunk) - 1, device=dev),
         )
         logits, feats = logits[0], feats[0]
-        steps.record_prompt_logprobs(req, logits, p)
+        if every_row:
+            steps.record_prompt_logprobs(req, logits, p)
         if self.draft is not None:
             pos = torch.arange(p, p + len(chunk), device=dev)
             page, off = table[0, pos // self.page].long(), pos % self.page
@@ -418,6 +421,58 @@ class GraphModelRunner:
         req.prefill_pos = req.num_committed = p + len(chunk)
         self.stale.add(s)
         return logits[-1] if req.prefill_pos == len(ids) else None
+
+    def prefill_batch(self, chunks: list[tuple[Request, int]]) -> list[torch.Tensor | None]:
+        """:meth:`prefill` of several requests' next chunks (``(request, tokens)``) as one eager
+        forward: rows padded to the longest chunk, each row at its own position through its table.
+        A padded row's K/V land past its prompt (hidden by the causal mask, overwritten later) or on
+        the scratch page; only each row's last token goes through the LM head unless a request asks
+        for prompt logprobs. Why: one forward per request made admission, not decoding, the cost of
+        a step at 8-64 running requests (docs/benchmarks.md, fourteenth session)."""
+        cap = self.static.max_pages * self.page
+        width = max(n for _, n in chunks)
+        batchable = self.paged and len(chunks) > 1
+        if not batchable or any(r.prefill_pos + width > cap for r, _ in chunks):
+            return [self.prefill(r, n) for r, n in chunks]  # a row near the end of its table goes alone
+        dev = self.target.device
+        rows, starts, lens = [], [], []
+        for req, n in chunks:
+            if req.slot is None:
+                req.slot = len(self.occupant)
+                self.occupant.append(req)
+            self._sync_table(req)
+            self.start[req.slot] = len(prefill_ids(req))
+            p = req.prefill_pos
+            rows.append(prefill_ids(req)[p : p + n] + [0] * (width - n))
+            starts.append(p)
+            lens.append(n)
+        ids = torch.tensor(rows, device=dev)
+        tables = self.tables[torch.tensor([r.slot for r, _ in chunks], device=dev)]
+        start = torch.tensor(starts, device=dev)
+        every_row = any(r.sampling.prompt_logprobs is not None and not r.output_ids for r, _ in chunks)
+        logits, feats = self.static.forward(
+            ids,
+            start,
+            kv_len=max(p + n for p, n in zip(starts, lens)),
+            tables=tables,
+            last=None if every_row else torch.tensor(lens, device=dev) - 1,
+        )
+        if self.draft is not None:  # the draft's latents of the real rows only
+            pos = start[:, None] + self.ar.new_tensor(range(width))[None]
+            real = self.ar.new_tensor(range(width))[None] < torch.tensor(lens, device=dev)[:, None]
+            page, off = tables.gather(1, pos // self.page).long()[real], pos[real] % self.page
+            self.lat[:, page, off] = self.draft.context_rows(feats[real], pos[real]).to(self.lat.dtype)
+        out: list[torch.Tensor | None] = []
+        for b, (req, n) in enumerate(chunks):
+            p = req.prefill_pos
+            if every_row:
+                steps.record_prompt_logprobs(req, logits[b, :n], p)
+            req.prefill_pos = req.num_committed = p + n
+            assert req.slot is not None
+            self.stale.add(req.slot)
+            done = req.prefill_pos == len(prefill_ids(req))
+            out.append((logits[b, n - 1] if every_row else logits[b, 0]) if done else None)
+        return out
 
     def _load(self, reqs: list[Request], sampling: BatchSampling | None):
         """The anchor and position of each stale slot (a new request, or one moved), and every

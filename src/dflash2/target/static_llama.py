@@ -125,13 +125,16 @@ class StaticTarget:
         slot: int = 0,
         kv_len: int | None = None,
         tables: torch.Tensor | None = None,
+        last: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv_len``: attend over the first ``kv_len`` positions only (every query row of interest
         must lie below it; rows are still written at their positions in the full buffer). With
         ``attention="live"`` a decode or verify block reads only each row's live keys, whatever
         ``kv_len``; a longer chunk (prefill) takes the masked SDPA over ``kv_len``. ``tables``:
         each row's pages (default: slots ``slot .. slot+B-1`` of slot mode, or check()'s table; in
-        slot mode they must be those slots' pages, which the masked SDPA reads as views)."""
+        slot mode they must be those slots' pages, which the masked SDPA reads as views). ``last [B]``:
+        logits of row ``b``'s token ``last[b]`` only (``[B, 1, V]``: a prefill's LM head over one row,
+        not the chunk's)."""
         if ids.dim() == 1:
             t = None if tables is None else tables.view(1, -1)
             logits, feats = self.forward(ids[None], start.view(1), slot, kv_len, t)
@@ -150,7 +153,7 @@ class StaticTarget:
         cos, sin = self.inner.rotary_emb(x, pos)
         feats = {}
         if self.fused:
-            return self._forward_fused(x, cos, sin, mask, slot, start, kv_len, tables)
+            return self._forward_fused(x, cos, sin, mask, slot, start, kv_len, tables, last)
         for i, layer in enumerate(self.inner.layers):
             x = x + self._attention(
                 layer.self_attn, layer.input_layernorm(x), cos, sin, pos, mask, i, slot, start, kv_len, tables
@@ -158,11 +161,12 @@ class StaticTarget:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in self.target.layer_ids:
                 feats[i] = x
-        logits = self.target.model.lm_head(self.inner.norm(x)).float()
+        h = x if last is None else x[torch.arange(B, device=x.device), last][:, None]
+        logits = self.target.model.lm_head(self.inner.norm(h)).float()
         feats = torch.cat([feats[i] for i in self.target.layer_ids], -1) if feats else x.new_empty(B, L, 0)
         return logits, feats
 
-    def _forward_fused(self, x, cos, sin, mask, slot, start, kv_len, tables):
+    def _forward_fused(self, x, cos, sin, mask, slot, start, kv_len, tables, last):
         """As the loop in :meth:`forward`, each residual add fused into the next norm: the residual
         stream ``res`` after layer ``i`` comes out of layer ``i + 1``'s input norm (or the final one)."""
         layers = self.inner.layers
@@ -182,8 +186,10 @@ class StaticTarget:
             h, res = add_rms_norm(out, norm.weight, norm.variance_epsilon, res)
             if i in self.target.layer_ids:
                 feats[i] = res
-        logits = self.target.model.lm_head(h).float()
         B, L = x.shape[:2]
+        if last is not None:
+            h = h[torch.arange(B, device=h.device), last][:, None]
+        logits = self.target.model.lm_head(h).float()
         return logits, torch.cat([feats[i] for i in self.target.layer_ids], -1) if feats else x.new_empty(B, L, 0)
 
     def _attention(self, attn, h, cos, sin, pos, mask, layer, slot, start, kv_len, tables):
