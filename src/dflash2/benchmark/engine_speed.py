@@ -33,6 +33,8 @@ class ConcurrencyRow:
     round_tokens_per_s: list = field(default_factory=list)  # round by round, to see drift over time
     round_slots: list = field(default_factory=list)  # each round's place in the whole run's order
     mean_width: float = 0.0  # verify width per step, averaged (the planner's choices; fixed rows: their width)
+    step_seconds: float = 0.0  # of ``seconds``: in batched decode steps
+    prefill_seconds: float = 0.0  # of ``seconds``: in prefill chunks (the rest: the host between them)
 
 
 def measure(
@@ -110,6 +112,8 @@ def measure(
         tokens_per_s_min=C / secs,
         tokens_per_s_max=C / secs,
         mean_width=sum(w * k for w, k in s.steps_by_width.items()) / steps,
+        step_seconds=s.step_s,
+        prefill_seconds=s.prefill_s,
     )
 
 
@@ -138,6 +142,8 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
         round_tokens_per_s=[r.tokens_per_s for r in rows],
         round_slots=[s for r in rows for s in r.round_slots],
         mean_width=avg("mean_width"),
+        step_seconds=sum(r.step_seconds for r in rows),
+        prefill_seconds=sum(r.prefill_seconds for r in rows),
     )
 
 
@@ -236,13 +242,15 @@ def run(
 def table(rows: list[ConcurrencyRow]) -> str:
     out = [
         f"{'config':<40}{'conc':>5}{'tok/s':>9}{'AL':>6}{'speedup':>9}{'width':>7}{'draft ms':>10}{'verify ms':>10}"
-        f"{'other ms':>9}{'rounds':>7}{'tok/s range':>16}"
+        f"{'other ms':>9}{'rounds':>7}{'tok/s range':>16}{'wall % decode/prefill/host':>28}"
     ]
     for r in rows:
+        split = [r.step_seconds, r.prefill_seconds, r.seconds - r.step_seconds - r.prefill_seconds]
+        split_txt = "/".join(f"{100 * x / max(r.seconds, 1e-9):.0f}" for x in split)
         out.append(
             f"{r.config:<40}{r.concurrency:>5}{r.tokens_per_s:>9.1f}{r.accept_length:>6.2f}{r.speedup:>8.2f}x"
             f"{r.mean_width:>7.2f}{r.draft_ms_per_step:>10.1f}{r.verify_ms_per_step:>10.1f}{r.overhead_ms_per_step:>9.1f}"
-            f"{r.rounds:>7}{f'{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}':>16}"
+            f"{r.rounds:>7}{f'{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}':>16}{split_txt:>28}"
         )
     return "\n".join(out)
 

@@ -151,6 +151,7 @@ class EngineStats:
     draft_s: float = 0.0  # time in draft forward + selector
     verify_s: float = 0.0  # time in the target verify forward
     step_s: float = 0.0  # whole batched steps (prefills excluded)
+    prefill_s: float = 0.0  # prefill chunks, first tokens included
     steps_by_width: dict[int, int] = field(default_factory=dict)  # the planner's choices
     drafts_proposed: int = 0  # draft tokens put to the verifier (width - 1 per request per step)
     prompt_tokens: int = 0  # prompts whose prefill finished, in tokens
@@ -435,6 +436,13 @@ class LLMEngine:
             chunks.append((req, n))
         if not chunks:
             return
+        t0 = time.perf_counter()
+        try:
+            self._prefill_chunks(chunks)
+        finally:
+            self.stats.prefill_s += time.perf_counter() - t0
+
+    def _prefill_chunks(self, chunks: list[tuple[Request, int]]) -> None:
         batch = getattr(self.runner, "prefill_batch", None)
         try:  # one forward for all the chunks where the runner can; else (or if it fails) one each
             results = batch(chunks) if batch is not None else None
