@@ -22,7 +22,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `req in running` must not compare prompts and outputs field by field
 class Request:
     prompt_ids: list[int]
     sampling: SamplingParams
