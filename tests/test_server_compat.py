@@ -293,6 +293,27 @@ def test_sglang_response_extras(card):
     assert c.choices[0].model_extra["matched_stop"] is None or c.choices[0].finish_reason == "stop"
 
 
+def test_sglang_bench_serving_payload(card):
+    """The body SGLang's bench_serving sends to /generate (sglang 0.5.23, every request): its no-op
+    fields are accepted, and a LoRA adapter is refused by name."""
+    url = card[0]
+    body = {
+        "input_ids": [1, 2, 3, 4],
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True},
+        "stream": True,
+        "lora_path": None,
+        "return_logprob": False,
+        "return_routed_experts": False,
+        "logprob_start_len": -1,
+    }
+    with httpx.stream("POST", url + "/generate", headers=AUTH, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        text = "".join(r.iter_text())
+    assert text.rstrip().endswith("data: [DONE]") and '"completion_tokens": 5' in text
+    bad = httpx.post(url + "/generate", headers=AUTH, json=body | {"lora_path": "my-adapter"}, timeout=60)
+    assert bad.status_code == 400 and "lora_path" in bad.json()["error"]["message"]
+
+
 def test_n_parallel_samples(card):
     url = card[0]
     openai, client = _client(url)

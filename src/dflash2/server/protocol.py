@@ -49,6 +49,11 @@ UNSUPPORTED: dict[str, tuple] = {
     "ebnf": (None,),
     "skip_special_tokens": (None, True),
     "no_stop_trim": (None, False),
+    # SGLang's request fields its own clients send at their no-op value (bench_serving: every request)
+    "lora_path": (None, ""),
+    "return_routed_experts": (None, False),
+    "token_ids_logprob": (None,),
+    "image_data": (None,),
 }
 
 
@@ -108,6 +113,7 @@ class SamplingFields(_Sampling):
     logprobs: bool | int | None = None
     min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     best_of: int | None = None
+    lora_path: str | None = None  # refused unless empty: no LoRA adapters here (UNSUPPORTED)
 
 
 class StreamOptions(_Base):
@@ -230,6 +236,11 @@ class GenerateRequest(_Base):
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_text_in_logprobs: bool | None = None
+    # known, not implemented: refused unless at their no-op value (UNSUPPORTED)
+    lora_path: str | list[str] | None = None
+    return_routed_experts: bool | None = None
+    token_ids_logprob: list[int] | None = None
+    image_data: Any = None
 
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs_num or 0) if self.return_logprob else None
