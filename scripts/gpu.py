@@ -22,6 +22,7 @@
   python scripts/gpu.py layers --concurrency 1,8,32,64
                                     # no carry, no stash: the fused layer kernels against their references
                                     #   (bf16, fp32), fused StaticTarget against HF, forward ms unfused / fused
+  python scripts/gpu.py prefill     # no carry, no stash: what each eager prefill call costs (target, DFlash2)
   python scripts/gpu.py graphs --graph-limit 20 --check-prompts 6 --eager-limit 3 [--breakdown]
                                     # carry work/gsm8k_test.jsonl: batch 1, the engine with one slot (CUDA graphs):
                                     #   fp32 + bf16 token checks, graphed side-by-side speed, eager reference
@@ -737,6 +738,92 @@ def stage_steps(args) -> None:
     (OUT / "steps.json").write_text(json.dumps({"env": info, "replay_ms": times}, indent=1))
 
 
+def stage_prefill(args) -> None:
+    """What an eager prefill call costs, target alone and with the shipped drafter (fourteenth session:
+    prefill was 38% of the wall at c=8 for DFlash2 w=5, 11% for the target). A random SmolLM2-shaped
+    target (bf16; cost does not depend on weights), c=8, 32 requests of 150-token prompts, T=1: per
+    call its batch and ms (synchronised), then torch.profiler over the run's prefill calls, top ops
+    by CPU time. No stash. $OUT/prefill.json."""
+    import torch
+    import transformers as tf
+    from torch.profiler import ProfilerActivity, profile
+    from dflash2.engine.engine import EngineConfig, LLMEngine
+    from dflash2.engine.request import Request
+    from dflash2.model.checkpoint import load_draft
+    from dflash2.target import TargetModel
+    from dflash2.verification import SamplingParams
+
+    info = env_report()
+    dev = args.graph_device
+    cuda = dev == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    draft = load_draft(ROOT / "models" / "smollm2-135m-dflash2", device=dev, dtype=dtype).eval()
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(max_position_embeddings=8192, **SHAPES["smollm2"]))
+    target = TargetModel(model.to(dtype).eval(), layer_ids=draft.config.target_layer_ids)
+    report: dict = {"env": info}
+    for name, d in (("target", None), ("dflash2 w=5", draft)):
+        eng = LLMEngine(target, d, EngineConfig(max_running_requests=8, speculative=d is not None, num_draft_tokens=5,
+                                                context_length=1024, max_total_tokens=65536))  # fmt: skip
+        calls: list = []
+        ops: dict = {}  # op -> [count, CPU ms], over the profiled round's prefill calls only
+        inner = eng._prefill_chunks
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+        def timed(chunks, inner=inner, calls=calls, ops=ops):
+            if state["profile"]:  # round 2: each call under the profiler, its ops summed (not timed)
+                with profile(activities=acts) as prof:
+                    inner(chunks)
+                for e in prof.key_averages():
+                    c = ops.setdefault(e.key, [0, 0.0])
+                    c[0], c[1] = c[0] + e.count, c[1] + e.cpu_time_total / 1e3
+                return
+            torch.cuda.synchronize() if cuda else None
+            t0 = time.perf_counter()
+            inner(chunks)
+            torch.cuda.synchronize() if cuda else None
+            calls.append((len(chunks), sum(n for _, n in chunks), (time.perf_counter() - t0) * 1e3))
+
+        eng._prefill_chunks = timed
+        g = torch.Generator().manual_seed(1)
+        state = {"profile": False}
+        walls = []
+        for rnd in range(3):  # warm-up, timed, profiled
+            reqs = [Request(torch.randint(100, 40000, (150,), generator=g).tolist(),
+                            SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=64, seed=i)) for i in range(int(os.environ.get("PREFILL_REQS", "32")))]  # fmt: skip
+            if rnd == 1:
+                calls.clear()
+                eng.stats.step_s = 0.0
+            state["profile"] = rnd == 2
+            t0 = time.perf_counter()
+            for r in reqs:
+                eng.add_request(r)
+            eng.run_until_done()
+            walls.append(time.perf_counter() - t0)
+            if rnd == 1:
+                step_s = eng.stats.step_s
+        wall = walls[1]
+        top = sorted(ops.items(), key=lambda kv: -kv[1][1])[:20]
+        report[name] = {
+            "wall_s": round(wall, 3),
+            "prefill_calls": [[b, n, round(ms, 2)] for b, n, ms in calls],
+            "prefill_ms_total": round(sum(ms for *_, ms in calls), 1),
+            "step_s": round(step_s, 3),
+            "top_ops_cpu": [[k, c, round(ms, 2)] for k, (c, ms) in top],
+        }
+        r = report[name]
+        log(
+            f"{name}: wall {r['wall_s']} s, {len(calls)} prefill calls, {r['prefill_ms_total']} ms in them, steps {r['step_s']} s"
+        )
+        log(f"  calls (rows, tokens, ms): {r['prefill_calls'][:12]}")
+        for k, c, ms in r["top_ops_cpu"][:12]:
+            log(f"  {k[:48]:<48} x{c:<6} {ms:9.2f} ms CPU total")
+        del eng
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "prefill.json").write_text(json.dumps(report, indent=1))
+
+
 def stage_sampler(args) -> None:
     """The sort-free truncation kernel (kernels/truncate.py) against the full sort: rows of a 49,152
     vocabulary from bf16-rounded logits at T=1 (ties included), top-p 0.95 (and a top-k / min-p mix),
@@ -1156,6 +1243,7 @@ def main() -> None:
             "steps",
             "sampler",
             "layers",
+            "prefill",
         ],
     )
     ap.add_argument("--sampler-backends", default="sort", help="steps: e.g. sort,triton (the sampled truncation)")
@@ -1230,6 +1318,7 @@ def main() -> None:
         "steps": stage_steps,
         "sampler": stage_sampler,
         "layers": stage_layers,
+        "prefill": stage_prefill,
     }[args.stage](args)
 
 

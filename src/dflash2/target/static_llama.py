@@ -244,7 +244,9 @@ class StaticTarget:
         """Largest logit difference against Hugging Face's forward on ``length`` random tokens: a
         prefill, three wrong rows that are then rolled back, two right rows (the stale third must
         stay hidden) and the last one; raises when over ``atol`` (default: 1e-3 in float32; in half
-        precision 3% of the largest logit, where two orders of the same sums differ by rounding)."""
+        precision 10% of the largest logit, where two orders of the same sums differ by rounding: a
+        random 8B-shaped target's small logits moved by 4-7% in bf16 on the H200, fused or not, while a
+        layout the forward does not reproduce moves them by their own size)."""
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, self.target.config.vocab_size, (length,), generator=gen).to(self.target.device)
         ref = self.target.model(input_ids=ids[None], use_cache=False).logits[0].float()
@@ -258,7 +260,7 @@ class StaticTarget:
         tol = (
             atol
             if atol is not None
-            else (1e-3 if self.target.dtype == torch.float32 else 0.03 * ref.abs().max().item())
+            else (1e-3 if self.target.dtype == torch.float32 else 0.1 * ref.abs().max().item())
         )
         if not diff <= tol:
             raise RuntimeError(
