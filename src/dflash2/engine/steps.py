@@ -29,8 +29,9 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 def draw_uniforms(gen: torch.Generator, g: int) -> torch.Tensor:
     """A request's uniforms for one step of ``g`` drafts, in the one draw order: the selector's ``g``,
-    the verifier's ``g`` acceptance draws, then the emitted token's draw (``[2g + 1]``)."""
-    return torch.cat([torch.rand(g, generator=gen), torch.rand(g, generator=gen), torch.rand(1, generator=gen)])
+    the verifier's ``g`` acceptance draws, then the emitted token's draw (``[2g + 1]``). One call, not
+    three and a cat (the same stream: 2 us instead of 10 per request per step on the host)."""
+    return torch.rand(2 * g + 1, generator=gen)
 
 
 def first_token(
