@@ -258,9 +258,7 @@ class StaticTarget:
         c, _ = self.forward(ids[n + 2 :], start + n + 2)
         diff = (torch.cat([a, b, c]) - ref).abs().max().item()
         tol = (
-            atol
-            if atol is not None
-            else (1e-3 if self.target.dtype == torch.float32 else 0.1 * ref.abs().max().item())
+            atol if atol is not None else (1e-3 if self.target.dtype == torch.float32 else 0.1 * ref.abs().max().item())
         )
         if not diff <= tol:
             raise RuntimeError(
