@@ -426,9 +426,19 @@ class GraphModelRunner:
         """:meth:`prefill` of several requests' next chunks (``(request, tokens)``) as one eager
         forward: rows padded to the longest chunk, each row at its own position through its table.
         A padded row's K/V land past its prompt (hidden by the causal mask, overwritten later) or on
-        the scratch page; only each row's last token goes through the LM head unless a request asks
-        for prompt logprobs. Why: one forward per request made admission, not decoding, the cost of
-        a step at 8-64 running requests (docs/benchmarks.md, fourteenth session)."""
+        the scratch page; only each row's last token goes through the LM head. A request that asks
+        for prompt logprobs (every row through the LM head: ``[L, V]`` floats) goes alone. Why: one
+        forward per request made admission, not decoding, the cost of a step at 8-64 running
+        requests (docs/benchmarks.md, fourteenth session)."""
+        alone = {i for i, (r, _) in enumerate(chunks) if r.sampling.prompt_logprobs is not None and not r.output_ids}
+        if alone:
+            rest = (
+                self.prefill_batch([c for i, c in enumerate(chunks) if i not in alone])
+                if len(alone) < len(chunks)
+                else []
+            )
+            done = iter(rest)
+            return [self.prefill(*c) if i in alone else next(done) for i, c in enumerate(chunks)]
         cap = self.static.max_pages * self.page
         width = max(n for _, n in chunks)
         batchable = self.paged and len(chunks) > 1
@@ -449,13 +459,12 @@ class GraphModelRunner:
         ids = torch.tensor(rows, device=dev)
         tables = self.tables[torch.tensor([r.slot for r, _ in chunks], device=dev)]
         start = torch.tensor(starts, device=dev)
-        every_row = any(r.sampling.prompt_logprobs is not None and not r.output_ids for r, _ in chunks)
         logits, feats = self.static.forward(
             ids,
             start,
             kv_len=max(p + n for p, n in zip(starts, lens)),
             tables=tables,
-            last=None if every_row else torch.tensor(lens, device=dev) - 1,
+            last=torch.tensor(lens, device=dev) - 1,
         )
         if self.draft is not None:  # the draft's latents of the real rows only
             pos = start[:, None] + self.ar.new_tensor(range(width))[None]
@@ -464,14 +473,10 @@ class GraphModelRunner:
             self.lat[:, page, off] = self.draft.context_rows(feats[real], pos[real]).to(self.lat.dtype)
         out: list[torch.Tensor | None] = []
         for b, (req, n) in enumerate(chunks):
-            p = req.prefill_pos
-            if every_row:
-                steps.record_prompt_logprobs(req, logits[b, :n], p)
-            req.prefill_pos = req.num_committed = p + n
+            req.prefill_pos = req.num_committed = req.prefill_pos + n
             assert req.slot is not None
             self.stale.add(req.slot)
-            done = req.prefill_pos == len(prefill_ids(req))
-            out.append((logits[b, n - 1] if every_row else logits[b, 0]) if done else None)
+            out.append(logits[b, 0] if req.prefill_pos == len(prefill_ids(req)) else None)
         return out
 
     def _load(self, reqs: list[Request], sampling: BatchSampling | None):
