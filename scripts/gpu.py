@@ -745,7 +745,6 @@ def stage_prefill(args) -> None:
     call its batch and ms (synchronised), then torch.profiler over the run's prefill calls, top ops
     by CPU time. No stash. $OUT/prefill.json."""
     import torch
-    import transformers as tf
     from torch.profiler import ProfilerActivity, profile
     from dflash2.engine.engine import EngineConfig, LLMEngine
     from dflash2.engine.request import Request
@@ -758,10 +757,7 @@ def stage_prefill(args) -> None:
     cuda = dev == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     draft = load_draft(ROOT / "models" / "smollm2-135m-dflash2", device=dev, dtype=dtype).eval()
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = tf.LlamaForCausalLM(tf.LlamaConfig(max_position_embeddings=8192, **SHAPES["smollm2"]))
-    target = TargetModel(model.to(dtype).eval(), layer_ids=draft.config.target_layer_ids)
+    target = TargetModel(random_llama("smollm2", dev, dtype), layer_ids=draft.config.target_layer_ids)
     report: dict = {"env": info}
     for name, d in (("target", None), ("dflash2 w=5", draft)):
         eng = LLMEngine(target, d, EngineConfig(max_running_requests=8, speculative=d is not None, num_draft_tokens=5,
@@ -1016,6 +1012,17 @@ SHAPES = {  # random-weight Llama targets the GPU stages time (timing does not d
 }  # fmt: skip
 
 
+def random_llama(shape: str, dev: str, dtype):
+    """A random-weight Llama of ``SHAPES[shape]`` on ``dev`` in ``dtype`` (seed 0), eval mode."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(max_position_embeddings=8192, **SHAPES[shape]))
+    return model.to(dtype).eval()
+
+
 def copy_bandwidth(dev: str) -> float:
     """Bytes read + written per second by a 1 GiB device copy (the weight-read floor's bandwidth)."""
     import torch
@@ -1082,10 +1089,7 @@ def stage_layers(args) -> None:
     for shape, dtype in (("smollm2", torch.float32), ("smollm2", torch.bfloat16), ("llama8b", torch.bfloat16)):
         if shape not in args.attn_shapes.split(","):
             continue
-        torch.manual_seed(0)
-        with torch.device(dev):
-            model = tf.LlamaForCausalLM(tf.LlamaConfig(max_position_embeddings=8192, **SHAPES[shape]))
-        model = model.to(dtype).eval()
+        model = random_llama(shape, dev, dtype)
         target = TargetModel(model, layer_ids=[1, 8])
         for fused in (False, True):
             st = StaticTarget(target, 256, attention="live", fused=fused)
@@ -1105,10 +1109,7 @@ def stage_layers(args) -> None:
     n = 100 if cuda else 2
     batches = [int(b) for b in args.concurrency.split(",")]
     for shape in args.attn_shapes.split(","):
-        torch.manual_seed(0)
-        with torch.device(dev):
-            model = tf.LlamaForCausalLM(tf.LlamaConfig(max_position_embeddings=8192, **SHAPES[shape]))
-        model = model.to(torch.bfloat16).eval()
+        model = random_llama(shape, dev, torch.bfloat16)
         target = TargetModel(model, layer_ids=[1, 8])
         floor_ms = sum(p.numel() * p.element_size() for p in model.parameters()) / bandwidth * 1e3
         r = report["forward_ms"][shape] = {"weight_floor_ms": round(floor_ms, 3)}
@@ -1142,7 +1143,6 @@ def stage_attn(args) -> None:
     weight-read floor. Needs no stash (timing does not depend on weights). $OUT/attn.json."""
     import torch
     import torch.nn.functional as F
-    import transformers as tf
     from dflash2.engine.graph_runner import Replay
     from dflash2.kernels.live_attention import live_attention, live_attention_ref
     from dflash2.target import TargetModel
@@ -1194,10 +1194,7 @@ def stage_attn(args) -> None:
     bandwidth = copy_bandwidth(dev)
     report["copy_bandwidth_tb_s"] = round(bandwidth / 1e12, 3)
     for shape in args.attn_shapes.split(","):
-        torch.manual_seed(0)
-        with torch.device(dev):
-            model = tf.LlamaForCausalLM(tf.LlamaConfig(max_position_embeddings=8192, **SHAPES[shape]))
-        model = model.to(torch.bfloat16).eval()
+        model = random_llama(shape, dev, torch.bfloat16)
         target = TargetModel(model, layer_ids=[1, 8])
         floor_ms = sum(p.numel() * p.element_size() for p in model.parameters()) / bandwidth * 1e3
         report["forward_ms"][shape] = {"weight_floor_ms": round(floor_ms, 3)}

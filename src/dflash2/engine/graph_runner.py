@@ -467,8 +467,8 @@ class GraphModelRunner:
             last=torch.tensor(lens, device=dev) - 1,
         )
         if self.draft is not None:  # the draft's latents of the real rows only
-            pos = start[:, None] + self.ar.new_tensor(range(width))[None]
-            real = self.ar.new_tensor(range(width))[None] < torch.tensor(lens, device=dev)[:, None]
+            offs = torch.arange(width, device=dev)[None]
+            pos, real = start[:, None] + offs, offs < torch.tensor(lens, device=dev)[:, None]
             page, off = tables.gather(1, pos // self.page).long()[real], pos[real] % self.page
             self.lat[:, page, off] = self.draft.context_rows(feats[real], pos[real]).to(self.lat.dtype)
         out: list[torch.Tensor | None] = []
