@@ -26,6 +26,7 @@ def add_acceptance_parser(bsub) -> None:
     p.add_argument("--gsm8k-path")
     p.add_argument("--aime-path")
     p.add_argument("--gpqa-path")
+    p.add_argument("--heldout-path", help="heldout_prompts.jsonl of a data recipe: suite 'heldout', one row per domain")
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--num-workers", type=int, default=32)
@@ -47,15 +48,18 @@ def load_items(args) -> dict[str, list]:
             out[name] = suites.aime(args.aime_path, args.limit, args.repeats)
         elif name == "gpqa":
             out[name] = suites.gpqa(args.gpqa_path, args.limit)
+        elif name == "heldout":
+            if not args.heldout_path:
+                raise SystemExit("--dataset heldout needs --heldout-path (a recipe's heldout_prompts.jsonl)")
+            out.update(suites.heldout(args.heldout_path, args.limit))
         else:
-            raise SystemExit(f"--dataset: unknown suite {name!r} (gsm8k, aime, gpqa)")
+            raise SystemExit(f"--dataset: unknown suite {name!r} (gsm8k, aime, gpqa, heldout)")
     return out
 
 
-def render_text(tokenizer, prompt: str) -> str:
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-    )
+def render_text(tokenizer, prompt: str | list[dict]) -> str:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 class ServerBackend:
@@ -175,6 +179,17 @@ def run_suites(backend, items: dict[str, list], num_workers: int) -> dict:
             }
         )
         results[name] = res
+    held = [n for n in results if n.startswith("heldout/")]
+    if len(held) > 1:  # the whole held-out split, pooled over its domains
+        C = [c for n in held for c in results[n]["C"]]
+        V = [v for n in held for v in results[n]["V"]]
+        results["heldout/all"] = aggregate(C, V) | {
+            "C": C,
+            "V": V,
+            "mean_completion": sum(C) / max(len(C), 1),
+            **{k: sum(results[n][k] for n in held) for k in ("finished_eot", "truncated", "failed", "retried")},
+            "per_position": None,
+        }
     for b in bars.values():
         b.close()
     return results
@@ -182,11 +197,11 @@ def run_suites(backend, items: dict[str, list], num_workers: int) -> dict:
 
 def format_table(results: dict) -> str:
     lines = [
-        f"{'dataset':<8}{'samples':>8}{'acc_len':>9}{'weighted':>10}{'pooled':>8}{'mean C':>8}{'eot':>6}{'trunc':>6}{'fail':>5}"
+        f"{'dataset':<22}{'samples':>8}{'acc_len':>9}{'weighted':>10}{'pooled':>8}{'mean C':>8}{'eot':>6}{'trunc':>6}{'fail':>5}"
     ]
     for name, r in results.items():
         lines.append(
-            f"{name:<8}{r['samples']:>8}{r['acc_len']:>9.3f}{r['weighted_al']:>10.3f}{r['pooled_al']:>8.3f}"
+            f"{name:<22}{r['samples']:>8}{r['acc_len']:>9.3f}{r['weighted_al']:>10.3f}{r['pooled_al']:>8.3f}"
             f"{r['mean_completion']:>8.1f}{r['finished_eot']:>6}{r['truncated']:>6}{r['failed']:>5}"
         )
         if r.get("per_position"):

@@ -21,7 +21,7 @@ GPQA_TEMPLATE = (
 @dataclass
 class Item:
     suite: str
-    prompt: str
+    prompt: str | list[dict]  # a user text, or chat turns ending with the user's
     seed: int
     answer: str | None = None
 
@@ -79,3 +79,16 @@ def gpqa(path=None, limit=None, seed: int = 0) -> list[Item]:
         )
         items.append(Item("gpqa", prompt, i, letter))
     return items
+
+
+def heldout(path, limit=None) -> dict[str, list[Item]]:
+    """Our own held-out split (``dflash2 prepare-data --recipe``'s ``heldout_prompts.jsonl``), one
+    suite per domain: ``heldout/chat``, ``heldout/code``, ..., at most ``limit`` prompts each."""
+    from ..training.sources import load_prompts
+
+    out: dict[str, list[Item]] = {}
+    for i, p in enumerate(load_prompts(path)):
+        lst = out.setdefault(f"heldout/{p.domain}", [])
+        if limit is None or len(lst) < limit:
+            lst.append(Item(f"heldout/{p.domain}", p.messages, i))
+    return dict(sorted(out.items()))

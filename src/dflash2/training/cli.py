@@ -48,10 +48,34 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _recipe(path: str):
+    """A data recipe from a bare recipe file or from a ``dflash2 train --config`` file's ``prepare``."""
+    from .recipe import DataRecipe
+
+    raw = json.loads(Path(path).read_text())
+    return DataRecipe.from_dict(raw["prepare"] if "prepare" in raw else raw)
+
+
 def cmd_prepare_data(args) -> int:
     from ..target.loading import load_target
     from .data import TokenDataset, generate_responses, gsm8k_prompts, sharegpt_prompts, without_eval_prompts
 
+    if args.recipe:
+        from .recipe import build_prompt_files, prepare_data
+
+        if not args.output_dir:
+            raise SystemExit("dflash2 prepare-data --recipe needs --output-dir")
+        recipe, out = _recipe(args.recipe), Path(args.output_dir)
+        if args.prompts_only:
+            ps = build_prompt_files(recipe, out)
+            print(json.dumps({"train_prompts": len(ps.train), "heldout_prompts": len(ps.heldout)} | ps.report))
+            return 0
+        report = prepare_data(recipe, load_target(args.model_path, args.dtype, args.device), out / "data.npz",
+                              out / "heldout.npz")  # fmt: skip
+        print(f"wrote {report['sequences']} sequences ({report['tokens']} tokens) to {out / 'data.npz'}")
+        return 0
+    if not args.output:
+        raise SystemExit("dflash2 prepare-data: give --recipe and --output-dir, or --output")
     target = load_target(args.model_path, args.dtype, args.device)
     prompts = gsm8k_prompts(args.gsm8k_path, args.gsm8k_limit)
     if args.sharegpt > 0:
@@ -129,7 +153,12 @@ def add_training_parsers(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", required=True)
+    p.add_argument("--output")
+    p.add_argument(
+        "--recipe", help="a data recipe, or a train config with a 'prepare' section (ignores the flags above)"
+    )
+    p.add_argument("--output-dir", help="with --recipe: data.npz, heldout.npz, prompt files and reports go here")
+    p.add_argument("--prompts-only", action="store_true", help="with --recipe: build the prompt files, answer nothing")
     p.set_defaults(fn=cmd_prepare_data)
     p = sub.add_parser("token-map", help="draft vocabulary subset from a prepared dataset (--speculative-token-map)")
     p.add_argument("--data", required=True)

@@ -61,10 +61,10 @@ def sharegpt_prompts(limit: int, max_chars: int = 1500, seed: int = 0) -> list[s
     return out[:limit]
 
 
-def render(tokenizer, user_text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": user_text}], add_generation_prompt=True, tokenize=True
-    )
+def render(tokenizer, prompt: str | list[dict]) -> list[int]:
+    """A user text, or chat turns ending with the user's, through the chat template."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
@@ -72,21 +72,25 @@ def render(tokenizer, user_text: str) -> list[int]:
 def generate_responses(
     model,
     tokenizer,
-    prompts: list[str],
+    prompts: list[str] | list[list[dict]],
     batch_size: int = 256,
     max_new_tokens: int = 384,
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    domains: list[str] | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> list[dict]:
-    """Answer every prompt with the target (left-padded batches). Returns ``{ids, prompt_len}``."""
+    """Answer every prompt with the target (left-padded batches). Returns ``{ids, prompt_len}`` (and
+    ``domain`` when ``domains`` is given); prompts longer than ``max_prompt_tokens`` are skipped."""
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = model.generation_config.eos_token_id
     rows = []
     encoded = [render(tokenizer, p) for p in prompts]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths per batch
+    keep = [i for i in range(len(encoded)) if max_prompt_tokens is None or len(encoded[i]) <= max_prompt_tokens]
+    order = sorted(keep, key=lambda i: len(encoded[i]))  # similar lengths per batch
     for s in tqdm(range(0, len(order), batch_size), desc=f"generate T={temperature}"):
         idx = order[s : s + batch_size]
         L = max(len(encoded[i]) for i in idx)
@@ -107,22 +111,60 @@ def generate_responses(
         for r, i in enumerate(idx):
             resp = out[r].tolist()
             cut = next((j + 1 for j, t in enumerate(resp) if t in eos_set), len(resp))
-            rows.append(
-                {"ids": torch.tensor(encoded[i] + resp[:cut], dtype=torch.int32), "prompt_len": len(encoded[i])}
-            )
+            row = {"ids": torch.tensor(encoded[i] + resp[:cut], dtype=torch.int32), "prompt_len": len(encoded[i])}
+            if domains is not None:
+                row["domain"] = domains[i]
+            rows.append(row)
     return rows
 
 
 @dataclass
 class TokenDataset:
+    """Rows ``{ids, prompt_len[, domain]}``. Saved compactly as ``.npz`` (ids concatenated, uint16
+    when they fit; per-row length, prompt length, domain) or, for any other suffix, ``torch.save``."""
+
     rows: list[dict]
 
     @classmethod
     def load(cls, path: str | Path) -> "TokenDataset":
+        if str(path).endswith(".npz"):
+            import numpy as np
+
+            z = np.load(path)
+            ids = torch.from_numpy(z["ids"].astype(np.int32))
+            names = [str(n) for n in z["domain_names"]] if "domain_names" in z else None
+            rows, off = [], 0
+            for k, (n, pl) in enumerate(zip(z["lengths"].tolist(), z["prompt_lens"].tolist())):
+                row = {"ids": ids[off : off + n].clone(), "prompt_len": pl}
+                if names is not None:
+                    row["domain"] = names[int(z["domains"][k])]
+                rows.append(row)
+                off += n
+            return cls(rows)
         return cls(torch.load(path, weights_only=True))
 
     def save(self, path: str | Path) -> None:
-        torch.save(self.rows, path)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        if not str(path).endswith(".npz"):
+            torch.save(self.rows, path)
+            return
+        import numpy as np
+
+        ids = np.concatenate([r["ids"].numpy() for r in self.rows]) if self.rows else np.zeros(0, np.int32)
+        extra = {}
+        if self.rows and all("domain" in r for r in self.rows):
+            names = sorted({r["domain"] for r in self.rows})
+            extra = {
+                "domain_names": np.array(names),
+                "domains": np.array([names.index(r["domain"]) for r in self.rows]),
+            }
+        np.savez_compressed(
+            path,
+            ids=ids.astype(np.uint16 if ids.size == 0 or ids.max() < 2**16 else np.int32),
+            lengths=np.array([len(r["ids"]) for r in self.rows], dtype=np.int32),
+            prompt_lens=np.array([r["prompt_len"] for r in self.rows], dtype=np.int32),
+            **extra,
+        )
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -49,7 +49,24 @@ class TrainConfig:
     heldout_fraction: float = 0.01
     resume: bool = False
     time_limit_s: float | None = None  # stop (and save) after this much wall time
+    # a data recipe (training/recipe.py): when ``data`` does not exist yet, it is built from this first
+    prepare: dict | None = None
+    # held-out prompts (a TokenDataset with domains): acceptance per domain, greedy and T=1 block, at
+    # each evaluation; None: ``heldout.npz`` beside ``data`` if there, else a fraction of ``data``
+    heldout: str | None = None
+    eval_width: int | None = None  # None: the draft's block size
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.prepare is not None:
+            from .recipe import DataRecipe
+
+            DataRecipe.from_dict(self.prepare)  # a wrong key fails here, before the target loads
+        if self.eval_width is not None and self.eval_width < 2:
+            raise ValueError(f"eval_width must be at least 2 (got {self.eval_width})")
+
+    def heldout_path(self) -> Path:
+        return Path(self.heldout) if self.heldout else Path(self.data).parent / "heldout.npz"
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides) -> "TrainConfig":
@@ -70,19 +87,35 @@ def _draft_config(tc: TrainConfig, target) -> DFlash2Config:
     return DFlash2Config.from_dict(raw)
 
 
-def heldout_acceptance(target, draft, rows, width: int, max_new_tokens: int) -> float:
+def heldout_acceptance(target, draft, rows, width: int, max_new_tokens: int, temperature: float = 0.0) -> float:
+    """Pooled acceptance length over ``rows``' prompts: greedy, or at ``temperature`` with top-p 0.95
+    and block verification (the card's serving point), one seed per prompt."""
     from ..engine import DFlashProposer, speculative_generate
     from ..verification import SamplingParams
 
     C = V = 0
-    for r in rows:
+    for k, r in enumerate(rows):
         prop = DFlashProposer(draft, target.embed, target.lm_head_weight)
-        res = speculative_generate(
-            target, prop, r["ids"][: r["prompt_len"]].long(), SamplingParams(max_new_tokens=max_new_tokens), width=width
-        )
+        sp = SamplingParams(max_new_tokens=max_new_tokens)
+        if temperature > 0:
+            sp = SamplingParams(temperature=temperature, top_p=0.95, seed=k, max_new_tokens=max_new_tokens)
+        method = "block" if temperature > 0 else None
+        res = speculative_generate(target, prop, r["ids"][: r["prompt_len"]].long(), sp, width, method)
         C += res.completion_tokens
         V += res.verify_steps
     return C / max(V, 1)
+
+
+def heldout_by_domain(target, draft, rows, width: int, max_new_tokens: int, per_domain: int) -> dict:
+    """``{domain: {"greedy": AL, "t1_block": AL}}`` over the first ``per_domain`` rows of each domain."""
+    out = {}
+    for d in sorted({r["domain"] for r in rows}):
+        sel = [r for r in rows if r["domain"] == d][:per_domain]
+        out[d] = {
+            "greedy": heldout_acceptance(target, draft, sel, width, max_new_tokens),
+            "t1_block": heldout_acceptance(target, draft, sel, width, max_new_tokens, temperature=1.0),
+        }
+    return out
 
 
 def _init_from_target(draft, target) -> None:
@@ -136,6 +169,16 @@ def train(tc: TrainConfig, target=None) -> dict:
     on_gpu = device.type == "cuda"
     if target is None:
         target = load_target(tc.target_path, "bfloat16" if on_gpu else "float32", str(device))
+    if tc.prepare is not None and not Path(tc.data).is_file():
+        from .recipe import DataRecipe, prepare_data
+
+        if rank == 0:
+            report = prepare_data(DataRecipe.from_dict(tc.prepare), target, tc.data, tc.heldout_path())
+            tqdm.write(f"data: {report['sequences']} sequences, {report['tokens']} tokens -> {tc.data}")
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
     out = Path(tc.output_dir)
     if tc.resume and (out / "config.json").is_file():
         draft = load_draft(out, device=device, dtype=torch.float32).train()
@@ -158,10 +201,14 @@ def train(tc: TrainConfig, target=None) -> dict:
         for p in params:
             dist.broadcast(p.data, 0)
     data = TokenDataset.load(tc.data)
-    n_held = max(1, int(len(data) * tc.heldout_fraction))
     idx = list(range(len(data)))
     rng.shuffle(idx)
-    held, train_idx = [data.rows[i] for i in idx[:n_held]], idx[n_held:]
+    by_domain = tc.heldout_path().is_file()
+    if by_domain:  # held-out prompts of their own: every data row trains
+        held, train_idx = TokenDataset.load(tc.heldout_path()).rows, idx
+    else:
+        n_held = max(1, int(len(data) * tc.heldout_fraction))
+        held, train_idx = [data.rows[i] for i in idx[:n_held]], idx[n_held:]
     opt = torch.optim.AdamW(draft.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     step = 0
     if state is not None:
@@ -170,7 +217,11 @@ def train(tc: TrainConfig, target=None) -> dict:
         rng.setstate(state["rng"])
     pad = int(cfg.mask_token_id)
     width = cfg.block_size
+    eval_width = min(tc.eval_width or width, width)
     history: list[dict] = []
+    if state is not None and (out / "train_log.jsonl").is_file():  # a resumed run's curves go on from its log
+        lines = (out / "train_log.jsonl").read_text().splitlines()
+        history = [r for r in map(json.loads, filter(None, lines)) if r["step"] <= step]
     t_start = time.perf_counter()
     tokens_seen = 0
     bar = tqdm(total=tc.steps, initial=step, desc="train", dynamic_ncols=True, disable=rank != 0)
@@ -250,10 +301,16 @@ def train(tc: TrainConfig, target=None) -> dict:
             continue
         if tc.eval_every and (step % tc.eval_every == 0 or last):
             draft.eval()
-            al = heldout_acceptance(target, draft, held[: tc.eval_prompts], width, tc.eval_max_new_tokens)
+            if by_domain:
+                per = heldout_by_domain(target, draft, held, eval_width, tc.eval_max_new_tokens, tc.eval_prompts)
+                rec["heldout"] = per
+                table = ", ".join(f"{d} {v['greedy']:.2f}/{v['t1_block']:.2f}" for d, v in per.items())
+                tqdm.write(f"step {step}: held-out acceptance length (width {eval_width}, greedy/T=1 block): {table}")
+            else:
+                al = heldout_acceptance(target, draft, held[: tc.eval_prompts], eval_width, tc.eval_max_new_tokens)
+                rec["heldout_accept_length"] = al
+                tqdm.write(f"step {step}: held-out acceptance length {al:.3f} (width {eval_width}, greedy)")
             draft.train()
-            rec["heldout_accept_length"] = al
-            tqdm.write(f"step {step}: held-out acceptance length {al:.3f} (width {width}, greedy)")
         if step % tc.save_every == 0 or last:
             _save(draft, opt, step, rng, out, history)
         if last:
@@ -278,3 +335,6 @@ def _save(draft, opt, step, rng, out: Path, history) -> None:
         f.replace(out / f.name)
     tmp.rmdir()
     (out / "train_log.jsonl").write_text("\n".join(json.dumps(h) for h in history) + "\n")
+    from .plots import plot_history
+
+    plot_history(history, out / "train_curves.png")
