@@ -22,6 +22,9 @@
   python scripts/gpu.py layers --concurrency 1,8,32,64
                                     # no carry, no stash: the fused layer kernels against their references
                                     #   (bf16, fp32), fused StaticTarget against HF, forward ms unfused / fused
+  python scripts/gpu.py recipe --phase data    # carry work/recipe (prompt files): the committed recipe's
+  python scripts/gpu.py recipe --phase train --train-seconds S --configs w5_greedy,w5_block_t1
+                                    #   data, then training, acceptance on GSM8K + held-out domains
   python scripts/gpu.py prefill     # no carry, no stash: what each eager prefill call costs (target, DFlash2)
   python scripts/gpu.py graphs --graph-limit 20 --check-prompts 6 --eager-limit 3 [--breakdown]
                                     # carry work/gsm8k_test.jsonl: batch 1, the engine with one slot (CUDA graphs):
@@ -315,6 +318,99 @@ def stage_train(args) -> None:
     merge_json_outputs()
 
 
+def _recipe_config(args, resume: bool, time_limit_s: float | None):
+    """The committed recipe (models/smollm2-135m-dflash2/recipe.json) with this machine's paths."""
+    from dflash2.training.trainer import TrainConfig
+
+    return TrainConfig.from_file(
+        ROOT / args.recipe,
+        data=str(STASH / "recipe" / "data.npz"),
+        output_dir=str(STASH / "recipe" / "draft"),
+        draft_config=str(ROOT / "configs" / "smollm2-135m-dflash2.json"),
+        init_from=str(ROOT / "models" / "smollm2-135m-dflash2"),
+        resume=resume or None,
+        time_limit_s=time_limit_s,
+        device=args.recipe_device,
+    )
+
+
+def _save_rows_in_parts(rows, stem: str, limit: int = 15 * 2**20) -> None:
+    """Rows as $OUT/<stem>_partK.npz, each under the 16 MiB a returned file may have."""
+    from dflash2.training.data import TokenDataset
+
+    parts = 1
+    while True:
+        size = -(-len(rows) // parts)
+        paths = [OUT / f"{stem}_part{k}.npz" for k in range(parts)]
+        for k, path in enumerate(paths):
+            TokenDataset(rows[k * size : (k + 1) * size]).save(path)
+        if all(p.stat().st_size < limit for p in paths) or parts >= 4:
+            log(f"data in {parts} part(s): {[p.stat().st_size for p in paths]} bytes")
+            return
+        for path in paths:
+            path.unlink()
+        parts += 1
+
+
+def stage_recipe(args) -> None:
+    """The committed data recipe, on the H200, in two calls carrying work/recipe (its prompt files,
+    built on the CPU by 'dflash2 prepare-data --recipe ... --prompts-only') and the shipped weights:
+      --phase data   answer the prompts with the target (HF generate, bf16), data back under $OUT,
+                     then train until the deadline;
+      --phase train  resume until --train-seconds, export the bf16 draft (+ token map), then
+                     acceptance through the engine on GSM8K test and the held-out domains."""
+    import tarfile
+
+    import torch
+    from dflash2.model.checkpoint import load_draft, save_draft
+    from dflash2.target.loading import load_target
+    from dflash2.training.data import TokenDataset
+    from dflash2.training.recipe import DataRecipe, prepare_data
+    from dflash2.training.trainer import train
+
+    info = env_report()
+    folder = target_folder()
+    work = STASH / "recipe"
+    work.mkdir(parents=True, exist_ok=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    if args.phase == "data":
+        for f in ("train_prompts.jsonl.gz", "heldout_prompts.jsonl", "prompts_report.json"):
+            shutil.copy(ROOT / args.recipe_prompts / f, work / f)
+        tc = _recipe_config(args, False, None)
+        target = load_target(folder, "bfloat16", args.recipe_device)
+        budget = args.gen_seconds or None
+        report = prepare_data(DataRecipe.from_dict(tc.prepare), target, tc.data, tc.heldout_path(), budget)
+        log(f"data: {report['sequences']} sequences, {report['tokens']} tokens, {report['generation_seconds']:.0f}s")
+        shutil.copy(work / "data_report.json", OUT / "data_report.json")
+        _save_rows_in_parts(TokenDataset.load(tc.data).rows, "data")
+        left = args.deadline_s - (time.time() - T_START) - 60
+        if left > 30:
+            tc = _recipe_config(args, False, left)
+            res = train(tc, target)
+            log(f"trained {res['steps']} steps in {res['seconds']:.0f}s ({res['tokens']} tokens)")
+        return
+    tc = _recipe_config(args, True, args.train_seconds)
+    if args.train_seconds > 0:
+        target = load_target(folder, "bfloat16", args.recipe_device)
+        res = train(tc, target)
+        log(f"trained to step {res['steps']} ({len(res['history'])} steps logged) in {res['seconds']:.0f}s")
+        del target
+        torch.cuda.empty_cache()
+    draft = load_draft(work / "draft", device="cpu")
+    save_draft(draft, OUT / "draft", max_shard_bytes=15 * 2**20, dtype=torch.bfloat16)
+    shutil.copy(ROOT / "models" / "smollm2-135m-dflash2" / "token_map.pt", OUT / "draft" / "token_map.pt")
+    log("exported bf16 draft (+ token map) to $OUT/draft")
+    args.heldout_path = str(ROOT / args.recipe_prompts / "heldout_prompts.jsonl")
+    stage_bench(args, draft_dir=OUT / "draft")
+    (OUT / "env.json").write_text(json.dumps(info, indent=1))
+    with tarfile.open(OUT / "results.tar.gz", "w:gz") as tar:  # at most 8 files come back: one for the rest
+        for f in [work / "draft" / "train_log.jsonl", work / "draft" / "train_curves.png", *OUT.glob("*.json")]:
+            if f.is_file():
+                tar.add(f, arcname=f.name)
+    for f in OUT.glob("*.json"):
+        f.unlink()
+
+
 def stage_bench(args, draft_dir: Path | None = None) -> None:
     """Acceptance on GSM8K test through the engine (greedy and sampled, widths 5 and 8), then
     engine speed side by side at several concurrencies. Each part is guarded, so one failure
@@ -336,6 +432,9 @@ def stage_bench(args, draft_dir: Path | None = None) -> None:
         "bfloat16",
     ]
     gsm = ["--gsm8k-path", str(ROOT / "work" / "gsm8k_test.jsonl")]
+    suites = ["--dataset", "gsm8k"]
+    if getattr(args, "heldout_path", None):  # the recipe's held-out domains too, one row each
+        suites = ["--dataset", "gsm8k,heldout", "--heldout-path", args.heldout_path]
     runs = [
         ("w5_greedy", ["--speculative-num-draft-tokens", "5", "--temperature", "0"]),
         ("w8_greedy", ["--speculative-num-draft-tokens", "8", "--temperature", "0"]),
@@ -381,9 +480,8 @@ def stage_bench(args, draft_dir: Path | None = None) -> None:
             + common
             + gsm
             + extra
+            + suites
             + [
-                "--dataset",
-                "gsm8k",
                 "--limit",
                 str(args.acc_limit),
                 "--max-tokens",
@@ -1241,8 +1339,14 @@ def main() -> None:
             "sampler",
             "layers",
             "prefill",
+            "recipe",
         ],
     )
+    ap.add_argument("--recipe", default="models/smollm2-135m-dflash2/recipe.json", help="recipe: the train config")
+    ap.add_argument("--gen-seconds", type=float, default=0, help="recipe: time budget of the answers (0: none)")
+    ap.add_argument("--recipe-device", default="cuda", help="recipe: cpu for a dry run")
+    ap.add_argument("--recipe-prompts", default="work/recipe", help="recipe: folder of its prompt files")
+    ap.add_argument("--phase", choices=["data", "train"], default="data", help="recipe: which call this is")
     ap.add_argument("--sampler-backends", default="sort", help="steps: e.g. sort,triton (the sampled truncation)")
     ap.add_argument("--attn-shapes", default="smollm2,llama8b", help="attn: random targets of these shapes timed")
     ap.add_argument(
@@ -1316,6 +1420,7 @@ def main() -> None:
         "sampler": stage_sampler,
         "layers": stage_layers,
         "prefill": stage_prefill,
+        "recipe": stage_recipe,
     }[args.stage](args)
 
 

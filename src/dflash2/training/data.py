@@ -80,9 +80,13 @@ def generate_responses(
     seed: int = 0,
     domains: list[str] | None = None,
     max_prompt_tokens: int | None = None,
+    deadline: float | None = None,
 ) -> list[dict]:
     """Answer every prompt with the target (left-padded batches). Returns ``{ids, prompt_len}`` (and
-    ``domain`` when ``domains`` is given); prompts longer than ``max_prompt_tokens`` are skipped."""
+    ``domain`` when ``domains`` is given); prompts longer than ``max_prompt_tokens`` are skipped.
+    No new batch starts after ``deadline`` (a ``time.perf_counter()`` value)."""
+    import time
+
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -91,7 +95,11 @@ def generate_responses(
     encoded = [render(tokenizer, p) for p in prompts]
     keep = [i for i in range(len(encoded)) if max_prompt_tokens is None or len(encoded[i]) <= max_prompt_tokens]
     order = sorted(keep, key=lambda i: len(encoded[i]))  # similar lengths per batch
-    for s in tqdm(range(0, len(order), batch_size), desc=f"generate T={temperature}"):
+    starts = list(range(0, len(order), batch_size))
+    random.Random(seed).shuffle(starts)  # batches of every length, so a deadline cuts no one length off
+    for s in tqdm(starts, desc=f"generate T={temperature}"):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         idx = order[s : s + batch_size]
         L = max(len(encoded[i]) for i in idx)
         ids = torch.full((len(idx), L), pad, dtype=torch.long)

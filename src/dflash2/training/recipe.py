@@ -95,12 +95,16 @@ def heldout_rows(tokenizer, prompts: list[Prompt], max_prompt_tokens: int) -> li
     return rows
 
 
-def prepare_data(recipe: DataRecipe, target, data_path: str | Path, heldout_path: str | Path) -> dict:
+def prepare_data(
+    recipe: DataRecipe, target, data_path: str | Path, heldout_path: str | Path, time_budget_s: float | None = None
+) -> dict:
     """Answer the recipe's training prompts with the target, save them and the held-out prompts.
 
     Prompt files already in the data file's folder are reused (a run split over several calls,
-    or prompts built on another machine); otherwise they are built here. Returns the data report,
-    also written beside the data as ``data_report.json``."""
+    or prompts built on another machine); otherwise they are built here. With ``time_budget_s``
+    each pass gets its fraction of the budget and stops starting batches when that is spent (the
+    report says how many prompts each pass answered). Returns the data report, also written
+    beside the data as ``data_report.json``."""
     folder = Path(data_path).parent
     folder.mkdir(parents=True, exist_ok=True)
     ps = load_prompt_files(folder) or build_prompt_files(recipe, folder)
@@ -108,7 +112,12 @@ def prepare_data(recipe: DataRecipe, target, data_path: str | Path, heldout_path
     random.Random(recipe.seed).shuffle(train)
     t0, rows, start = time.perf_counter(), [], 0
     passes = []
+    used = 0.0
     for a in recipe.answers:
+        used += a.fraction
+        deadline = (
+            None if time_budget_s is None else t0 + time_budget_s * used / sum(x.fraction for x in recipe.answers)
+        )
         n = round(a.fraction * len(train))
         chunk, start = train[start : start + n], start + n
         before = len(rows)
@@ -123,6 +132,7 @@ def prepare_data(recipe: DataRecipe, target, data_path: str | Path, heldout_path
             a.seed,
             domains=[p.domain for p in chunk],
             max_prompt_tokens=recipe.max_prompt_tokens,
+            deadline=deadline,
         )
         passes.append({**dataclasses.asdict(a), "prompts": len(chunk), "sequences": len(rows) - before})
     TokenDataset(rows).save(data_path)
