@@ -331,7 +331,8 @@ def _recipe_config(args, resume: bool, time_limit_s: float | None):
         resume=resume or None,
         time_limit_s=time_limit_s,
         device=args.recipe_device,
-    )
+        eval_every=args.eval_every,  # 0 here: the eager per-domain evaluation costs minutes on the H200;
+    )  # the engine measures the held-out domains after training instead
 
 
 def _save_rows_in_parts(rows, stem: str, limit: int = 15 * 2**20) -> None:
@@ -390,6 +391,19 @@ def stage_recipe(args) -> None:
             log(f"trained {res['steps']} steps in {res['seconds']:.0f}s ({res['tokens']} tokens)")
         return
     tc = _recipe_config(args, True, args.train_seconds)
+    parts = sorted((ROOT / args.recipe_prompts).glob("data_part*.npz"))
+    if not Path(tc.data).is_file() and parts:  # the data call's answers, carried back (the stash was lost)
+        TokenDataset([r for p in parts for r in TokenDataset.load(p).rows]).save(tc.data)
+        for f in ("heldout_prompts.jsonl", "prompts_report.json", "train_prompts.jsonl.gz"):
+            shutil.copy(ROOT / args.recipe_prompts / f, work / f)
+        target = load_target(folder, "bfloat16", args.recipe_device)
+        from dflash2.training.recipe import heldout_rows
+        from dflash2.training.sources import load_prompts
+
+        recipe = DataRecipe.from_dict(tc.prepare)
+        held = heldout_rows(target.tokenizer, load_prompts(work / "heldout_prompts.jsonl"), recipe.max_prompt_tokens)
+        TokenDataset(held).save(tc.heldout_path())
+        log(f"data from {len(parts)} carried part(s)")
     if args.train_seconds > 0:
         target = load_target(folder, "bfloat16", args.recipe_device)
         res = train(tc, target)

@@ -192,6 +192,13 @@ def test_train_config_runs_the_recipe_end_to_end(tmp_path):
         1.0 <= v["greedy"] <= 4 and 1.0 <= v["t1_block"] <= 4 for v in last.values()
     )
     assert (tmp_path / "draft" / "train_curves.png").stat().st_size > 1000
+    # the batched (engine) evaluation agrees with one prompt at a time through speculative_generate
+    from dflash2.training.trainer import heldout_acceptance, heldout_by_domain
+
+    draft = res["draft"].eval()
+    batched = heldout_by_domain(target, draft, held, 4, 6, 1)
+    for r in held:
+        assert batched[r["domain"]]["greedy"] == pytest.approx(heldout_acceptance(target, draft, [r], 4, 6))
     # resumed: the log keeps the earlier steps, the curves go on
     tc.resume, tc.steps = True, 6
     train(tc, target=target)
