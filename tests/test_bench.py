@@ -40,6 +40,17 @@ def test_acceptance_bench_against_live_server(tmp_path, models):
     try:
         data = tmp_path / "g.jsonl"
         data.write_text("\n".join(json.dumps({"question": f"What is {i} + {i}?", "answer": "x"}) for i in range(6)))
+        from dflash2.training.sources import Prompt, save_prompts
+
+        held = tmp_path / "heldout_prompts.jsonl"  # a recipe's held-out split: multi-turn, two domains
+        turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        save_prompts(
+            [
+                Prompt(turns + [{"role": "user", "content": f"more {i}"}], d, "sharegpt", f"k{i}", 1)
+                for i, d in enumerate(["chat", "code", "chat"])
+            ],  # fmt: skip
+            held,
+        )
         out = tmp_path / "res.json"
         p = subprocess.run(
             [
@@ -53,9 +64,11 @@ def test_acceptance_bench_against_live_server(tmp_path, models):
                 "--tokenizer-path",
                 str(root / "target"),
                 "--dataset",
-                "gsm8k",
+                "gsm8k,heldout",
                 "--gsm8k-path",
                 str(data),
+                "--heldout-path",
+                str(held),
                 "--max-tokens",
                 "16",
                 "--num-workers",
@@ -76,6 +89,11 @@ def test_acceptance_bench_against_live_server(tmp_path, models):
         assert {"acc_len", "weighted_al", "pooled_al"} <= set(res)
         assert res["pooled_al"] == pytest.approx(sum(res["C"]) / sum(res["V"]))
         assert "gsm8k" in p.stdout and (tmp_path / "al.png").stat().st_size > 1000
+        all_res = json.loads(out.read_text())
+        assert [all_res[k]["samples"] for k in ("heldout/chat", "heldout/code", "heldout/all")] == [2, 1, 3]
+        pooled = all_res["heldout/all"]
+        assert pooled["pooled_al"] == pytest.approx(sum(pooled["C"]) / sum(pooled["V"]))
+        assert sorted(pooled["C"]) == sorted(all_res["heldout/chat"]["C"] + all_res["heldout/code"]["C"])
     finally:
         proc.terminate()
         proc.wait(10)
