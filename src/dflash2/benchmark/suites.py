@@ -83,12 +83,11 @@ def gpqa(path=None, limit=None, seed: int = 0) -> list[Item]:
 
 def heldout(path, limit=None) -> dict[str, list[Item]]:
     """Our own held-out split (``dflash2 prepare-data --recipe``'s ``heldout_prompts.jsonl``), one
-    suite per domain: ``heldout/chat``, ``heldout/code``, ..., at most ``limit`` prompts each."""
-    from ..training.sources import load_prompts
-
+    suite per domain: ``heldout/chat``, ``heldout/code``, ..., at most ``limit`` prompts each. Read as
+    plain JSON lines (``messages``, ``domain``), so the suites need nothing of the training code."""
     out: dict[str, list[Item]] = {}
-    for i, p in enumerate(load_prompts(path)):
-        lst = out.setdefault(f"heldout/{p.domain}", [])
+    for i, p in enumerate(_jsonl(Path(path))):
+        lst = out.setdefault(f"heldout/{p['domain']}", [])
         if limit is None or len(lst) < limit:
-            lst.append(Item(f"heldout/{p.domain}", p.messages, i))
+            lst.append(Item(f"heldout/{p['domain']}", p["messages"], i))
     return dict(sorted(out.items()))
