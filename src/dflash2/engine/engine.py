@@ -65,7 +65,7 @@ class EngineConfig:
     chunked_prefill_size: int | None = None  # SGLang's flag: prompt tokens per step (-1: whole prompts;
     #                                      None: 256 on the CPU, 2048 on CUDA; docs/benchmarks.md, chunked prefill)
     stall_s: float = 120.0  # /health fails when the loop has work but has not come round for this long
-    speculative_planner: str = "off"  # auto: each step's width by expected tokens/s (1 or the full width); off
+    speculative_planner: str = "off"  # auto: each step's width by expected tokens/s (among the runner's widths); off
     speculative_width_schedule: str | None = None  # "BATCH:WIDTH,...": pinned widths by decode batch size
     # SGLang's flag: the static runner's target attention. triton: the live-KV kernel (reads each row's
     # live keys only); torch_native: masked SDPA over a buffer prefix; auto: triton on CUDA
@@ -175,6 +175,7 @@ class LLMEngine:
             ),
         )
         self.runner: Runner = self._make_runner()
+        self.planner.widths = self.runner.widths  # the widths the planner may choose among
         if self.planner.adapts and self.runner.use_graph:  # step costs of every bucket, before any request
             self.planner.costs.update(cached_profile(self.runner, target, self.draft))
         self.scheduler = Scheduler(self.runner.kv, cfg.max_running_requests, self.width)

@@ -502,6 +502,11 @@ class GraphModelRunner:
                     buf[idx] = v.to(buf.dtype)
         return idx, B, kv_len
 
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The verify widths a step can run: those with captured graphs."""
+        return self.verify_widths
+
     @torch.no_grad()
     def step(self, reqs: list[Request], sampling: BatchSampling | None, width: int | None = None) -> StepOutput:
         """Two replays: the draft block + selector walk writes the drafts beside the anchors in the

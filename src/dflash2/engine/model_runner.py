@@ -118,7 +118,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=self.target.device)
         if (width or self.w) > 1:
-            drafts, q_draft = self.propose(reqs, anchors, sampling)
+            drafts, q_draft = self.propose(reqs, anchors, sampling, width or self.w)
         else:
             drafts, q_draft = anchors[:, None][:, :0], None
             if sampling is not None:
@@ -189,15 +189,22 @@ class ModelRunner:
             append_many(self.draft, [r.draft_cache for r in reqs], [feats[b, :n] for b, n in enumerate(keep)], starts)
 
     # ---- draft --------------------------------------------------------------------------------
-    def propose(self, reqs: list[Request], anchors: torch.Tensor, sampling: BatchSampling | None):
-        """Draft tokens ``[B, w-1]`` and ``q_draft`` (None for a greedy batch)."""
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The verify widths a step can run: any up to the full one (eager forwards of any length)."""
+        return tuple(range(1, self.w + 1))
+
+    def propose(self, reqs: list[Request], anchors: torch.Tensor, sampling: BatchSampling | None, width: int):
+        """Draft tokens ``[B, width-1]`` and ``q_draft`` (None for a greedy batch): a draft block of
+        ``width`` positions (a shorter block than the drafter's is still a valid proposal; with
+        ``is_causal`` its slots are exactly the longer block's first ones)."""
         pos = torch.tensor([r.num_committed for r in reqs], device=anchors.device)
         out = draft_block(
             self.draft,
             [r.draft_cache for r in reqs],
             anchors,
             pos,
-            self.w,
+            width,
             self.target.embed,
             self.target.lm_head_weight,
         )

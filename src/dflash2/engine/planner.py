@@ -12,7 +12,9 @@ picks: every step is a complete speculative step at its width.
   other width is ``hysteresis`` better. Every ``probe_every`` steps at one width, one step runs the
   other (width 1 observes no acceptance, and an unused width's cost goes stale as contexts grow).
   A width never run at a bucket is costed from the other width there and the latest ratio of the
-  two seen anywhere, so each new batch size does not have to try both.
+  two seen anywhere, so each new batch size does not have to try both. Where the runner can run
+  any width (the eager paged runner), the widths between 1 and the full one are costed linearly
+  between the two ends until they have run, and the best of them all is taken.
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ class Planner:
     last_run: dict[int, int] = field(default_factory=dict)  # width -> the step it last ran
     ratio: float | None = None  # cost(width 1) / cost(full width), latest seen
     counts: dict[str, _Counts] = field(default_factory=dict)  # per request id
+    # the widths a step can run (the runner's: every width eagerly, the captured ones in graphs);
+    # () = 1 and the full width
+    widths: tuple[int, ...] = ()
     total: _Counts = field(default_factory=_Counts)  # every request's, for the prior
 
     @property
@@ -123,23 +128,28 @@ class Planner:
             return next((w for b, w in cfg.schedule if len(rids) <= b), 1)
         if cfg.mode == "off":
             return W
-        cost = {w: self.cost(bucket, w) for w in (1, W)}
+        cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {1, W})}
         if cost[W] is None:  # cold start: full blocks (and their cost and acceptance are learned)
             return W
         if cost[1] is None:  # try width 1 once, to learn what it costs
             return 1
         keep = self.current if self.current in cost else W
-        other = 1 if keep == W else W
-        if self.steps - self.last_run.get(other, 0) >= cfg.probe_every:
-            return other  # one probe keeps the other width's cost (and, for the full width, acceptance) fresh
+        for end in (1, W):  # a probe keeps each end's cost (and, at the full width, acceptance) fresh
+            if end != keep and self.steps - self.last_run.get(end, 0) >= cfg.probe_every:
+                return end
         rate = {w: self.expected_tokens(rids, w) / c for w, c in cost.items() if c is not None}
-        return other if rate[other] > rate[keep] * (1 + cfg.hysteresis) else keep
+        best = max(rate, key=lambda w: rate[w])
+        return best if rate[best] > rate[keep] * (1 + cfg.hysteresis) else keep
 
     def cost(self, bucket: int, width: int) -> float | None:
-        """Seconds of a step at ``width``: measured at this bucket, or derived from the other width
-        measured there and the latest ratio between the two (None: nothing to go on)."""
+        """Seconds of a step at ``width``: measured at this bucket, or derived from the other end
+        (1 or the full width) measured there and the latest ratio between the two; a width between
+        the ends, linear between their costs (tokens per row grow linearly; None: nothing to go on)."""
         if (bucket, width) in self.costs:
             return self.costs[(bucket, width)]
+        if 1 < width < self.width:
+            lo, hi = self.cost(bucket, 1), self.cost(bucket, self.width)
+            return None if lo is None or hi is None else lo + (hi - lo) * (width - 1) / (self.width - 1)
         other = self.costs.get((bucket, self.width if width == 1 else 1))
         if other is None or self.ratio is None:
             return None

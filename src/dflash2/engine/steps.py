@@ -193,6 +193,9 @@ class Runner(Protocol):
     @property
     def kv(self) -> KVManager: ...  # what the scheduler admits and reserves against: pages or slots
 
+    @property
+    def widths(self) -> tuple[int, ...]: ...  # the verify widths a step can run (the planner's choices)
+
     def prefill(self, req, max_tokens: int | None = None) -> torch.Tensor | None: ...
 
     def step(self, reqs: list, sampling: BatchSampling | None, width: int | None = None) -> StepOutput: ...
