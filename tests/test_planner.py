@@ -168,6 +168,26 @@ def test_greedy_equals_target_while_widths_change(llama, runner):
         assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
 
 
+def test_sampled_truncated_requests_run_at_every_width(llama):
+    """Top-p / top-k requests through the paged runner at every width 1-W (width 2: a selector walk
+    with one draft, whose later-slot scores are empty): every request finishes, none fails."""
+    t, d = llama
+    eng = LLMEngine(t, d, EngineConfig(max_running_requests=4, num_draft_tokens=W, context_length=128, runner="paged"))
+    eng.planner = RandomWidths(W, widths=eng.runner.widths)
+    reqs = [
+        Request(
+            [3, 4, 5 + i],
+            SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_new_tokens=30, seed=i, ignore_eos=True),
+        )
+        for i in range(4)
+    ]
+    for r in reqs:
+        eng.add_request(r)
+    eng.run_until_done()
+    assert [r.finish_reason for r in reqs] == ["length"] * 4, [r.error for r in reqs]
+    assert set(eng.stats.steps_by_width) == set(range(1, W + 1))
+
+
 @pytest.mark.parametrize("method", ["token", "block"])
 def test_sampled_distribution_exact_while_widths_change(method):
     """The first three sampled tokens follow the target's exact joint distribution (enumerated)

@@ -167,7 +167,7 @@ def probs_from_logits(
         )
     else:
         truncate = bool(((k > 0) & (k < V)).any() | (tp < 1).any() | (mp > 0).any())
-    if truncate:
+    if truncate and probs.numel():  # (no rows: a one-draft selector walk has no slot after the first)
         rows = probs.shape[:-1] + (1,)
         P = probs.reshape(-1, V)
         K, TP, MP = (x.expand(rows).reshape(-1, 1) for x in (k, tp, mp))
