@@ -72,17 +72,25 @@ def test_planner_cold_start_probe_and_hysteresis():
 
 
 def test_planner_picks_a_width_between_when_the_runner_has_them():
-    """Eager steps of any width: with cost linear in the width (4 ms at 1, 12 ms at 5) and 2 of every
-    3 drafts accepted, a short block pays most (tokens/ms 0.25, 0.28, 0.26, 0.24, 0.22 at widths
-    1-5), where the graphs' choice between 1 and 5 is 1; a width once run is costed by what it measured."""
-    p, rids = _planner(full_ms=12.0, plain_ms=4.0, accepted=2)
-    assert p.choose(rids, 4) == 1
-    p.widths = tuple(range(1, W + 1))
-    assert p.cost(4, 3) == pytest.approx(8e-3)
-    assert p.choose(rids, 4) == 2
-    p.observe(rids, [1] * 4, 2, 4, 0.009)  # width 2 measured slow: the measure replaces the estimate
-    assert p.cost(4, 2) == pytest.approx(0.009)
+    """Eager steps of any width, width 8: cost linear in the width (4 ms at 1, 11 ms at 8) and 2 of
+    every 3 drafts accepted. Tokens/ms 0.25, 0.33, 0.35, 0.34, ..., 0.26 at widths 1, 2, 3, 4, ..., 8:
+    width 3 beats both ends by more than the margin, where the graphs' choice between 1 and 8 is 8;
+    a width once run is costed by what it measured; a width between that gains less than the margin
+    is not taken."""
+    p = Planner(8, PlannerConfig(mode="auto"))
+    rids = [f"r{i}" for i in range(4)]
+    for _ in range(20):
+        p.observe(rids, [2] * 4, 8, 4, 0.011)
+    p.costs[(4, 1)] = 0.004
+    assert p.choose(rids, 4) == 8
+    p.widths = tuple(range(1, 9))
+    assert p.cost(4, 4) == pytest.approx(7e-3)
     assert p.choose(rids, 4) == 3
+    p.observe(rids, [2] * 4, 3, 4, 0.012)  # width 3 measured slow: the measure replaces the estimate
+    assert p.cost(4, 3) == pytest.approx(0.012)
+    assert p.choose(rids, 4) == 4
+    p.cfg.between_margin = 0.5  # 0.34 is not 1.5 x 0.26: back to an end
+    assert p.choose(rids, 4) == 8
 
 
 def test_planner_off_and_schedule():
