@@ -216,32 +216,19 @@ def sampled_answers(args, folder: Path) -> list[dict]:
 
 
 def export_data(rows, path: Path) -> None:
-    """The generated data, compact (token ids < 65,536), so a later session can carry it instead of
-    regenerating: ids concatenated, with each row's length and prompt length."""
-    import numpy as np
+    """The generated data, compact (TokenDataset's npz), so a later session can carry it instead of
+    regenerating."""
+    from dflash2.training.data import TokenDataset
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(
-        path,
-        ids=np.concatenate([r["ids"].numpy().astype(np.uint16) for r in rows]),
-        lengths=np.array([len(r["ids"]) for r in rows], dtype=np.int32),
-        prompt_lens=np.array([r["prompt_len"] for r in rows], dtype=np.int32),
-    )
+    TokenDataset(rows).save(path)
     log(f"exported data to {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
 def import_data(path: Path) -> list[dict]:
-    """The inverse of :func:`export_data`."""
-    import numpy as np
-    import torch
+    """The inverse of :func:`export_data` (earlier sessions' files have the same keys)."""
+    from dflash2.training.data import TokenDataset
 
-    z = np.load(path)
-    ids = torch.from_numpy(z["ids"].astype(np.int64))
-    rows, off = [], 0
-    for n, pl in zip(z["lengths"].tolist(), z["prompt_lens"].tolist()):
-        rows.append({"ids": ids[off : off + n].clone(), "prompt_len": pl})
-        off += n
-    return rows
+    return TokenDataset.load(path).rows
 
 
 def run_training(args, folder: Path, resume: bool) -> dict:

