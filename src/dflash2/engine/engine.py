@@ -175,9 +175,7 @@ class LLMEngine:
             ),
         )
         self.runner: Runner = self._make_runner()
-        # the widths the planner may choose among. Block verification keeps 1 and the full width only:
-        # a width-3 block on the paged runner fails the chi-square test (fixed width 3 too: open bug)
-        self.planner.widths = () if cfg.block_verification else self.runner.widths
+        self.planner.widths = self.runner.widths  # the widths the planner may choose among
         if self.planner.adapts and self.runner.use_graph:  # step costs of every bucket, before any request
             self.planner.costs.update(cached_profile(self.runner, target, self.draft))
         self.scheduler = Scheduler(self.runner.kv, cfg.max_running_requests, self.width)
