@@ -742,14 +742,28 @@ def stage_engine(args) -> None:
         log(f"graph replay ms: {json.dumps(times)}")
         report["breakdown_ms"] = times
     concs = [int(c) for c in args.concurrency.split(",")]
-    for temp in [float(t) for t in args.graph_temperatures.split(",")]:
+    sets = {"gsm8k": prompts}
+    if "heldout" in args.prompt_sets:  # the recipe's held-out conversations (no drafter trained on them)
+        from dflash2.training.sources import load_prompts
+
+        sets["heldout"] = [p.messages for p in load_prompts(ROOT / "work" / "recipe" / "heldout_prompts.jsonl")]
+    for (set_name, set_prompts), temp in [
+        (kv, float(t)) for kv in sets.items() if kv[0] in args.prompt_sets.split(",")
+        for t in args.graph_temperatures.split(",")
+    ]:  # fmt: skip
         if time.time() - T_START > args.deadline_s - 150:
-            log(f"skip T={temp}: deadline")
+            log(f"skip {set_name} T={temp}: deadline")
             continue
+        key = f"graphs_t{temp}" + ("" if set_name == "gsm8k" else f"_{set_name}")
+
+        def keep(rows, key=key):  # each finished level is saved, so a call cut by its limit keeps them
+            report["speed"][key] = [r.__dict__ for r in rows]
+            (OUT / "engine.json").write_text(json.dumps(report, indent=1))
+
         rows = engine_speed.run(
             target,
             draft,
-            prompts,
+            set_prompts,
             [int(w) for w in args.speed_widths.split(",")],
             args.speed_verifiers.split(","),
             concs,
@@ -759,10 +773,10 @@ def stage_engine(args) -> None:
             rounds=args.rounds,
             adaptive=args.adaptive,
             attention_backends=tuple(args.attention_backends.split(",")),
+            on_level=keep,
         )
-        print(f"engine, CUDA graphs, bf16, T={temp}\n" + engine_speed.table(rows), flush=True)
-        report["speed"][f"graphs_t{temp}"] = [r.__dict__ for r in rows]
-        (OUT / "engine.json").write_text(json.dumps(report, indent=1))
+        print(f"engine, CUDA graphs, bf16, {set_name}, T={temp}\n" + engine_speed.table(rows), flush=True)
+        keep(rows)
     if args.eager_limit and time.time() - T_START < args.deadline_s - 150:
         rows = engine_speed.run(
             target,
@@ -1390,6 +1404,9 @@ def main() -> None:
     ap.add_argument("--no-speed", dest="speed", action="store_false", help="acceptance only")
     ap.add_argument("--speed-widths", default="5,8")
     ap.add_argument("--rounds", type=int, default=3, help="speed: rotated repeats per config (rows are noisy)")
+    ap.add_argument(
+        "--prompt-sets", default="gsm8k", help="engine: gsm8k and/or heldout (carry work/recipe/heldout_prompts.jsonl)"
+    )
     ap.add_argument("--adaptive", action="store_true", help="engine: each DFlash2 row again with the planner on")
     ap.add_argument("--speed-verifiers", default="token,block", help="order of the rows, e.g. block,token")
     ap.add_argument(

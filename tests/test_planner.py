@@ -72,11 +72,11 @@ def test_planner_cold_start_probe_and_hysteresis():
 
 
 def test_planner_picks_a_width_between_when_the_runner_has_them():
-    """Eager steps of any width, width 8: cost linear in the width (4 ms at 1, 11 ms at 8) and 2 of
-    every 3 drafts accepted. Tokens/ms 0.25, 0.33, 0.35, 0.34, ..., 0.26 at widths 1, 2, 3, 4, ..., 8:
-    width 3 beats both ends by more than the margin, where the graphs' choice between 1 and 8 is 8;
-    a width once run is costed by what it measured; a width between that gains less than the margin
-    is not taken."""
+    """Eager steps of any width, width 8: cost linear in the width (4 ms at 1, 11 ms at 8) and every
+    step accepts its first 2 drafts and rejects the third. Tokens/ms about 0.25 at width 1, 0.5 at 3,
+    0.27 at 8: width 3 beats both ends by more than the margin, where the graphs' choice between 1
+    and 8 is 8; a width once run is costed by what it measured; a width between that gains less than
+    the margin is not taken."""
     p = Planner(8, PlannerConfig(mode="auto"))
     rids = [f"r{i}" for i in range(4)]
     for _ in range(20):
@@ -85,12 +85,39 @@ def test_planner_picks_a_width_between_when_the_runner_has_them():
     assert p.choose(rids, 4) == 8
     p.widths = tuple(range(1, 9))
     assert p.cost(4, 4) == pytest.approx(7e-3)
+    tokens = p.expected_by_width(rids) / 4
+    assert tokens[2] == pytest.approx(3, abs=0.05) and tokens[7] < 3.2  # the third draft never passes
     assert p.choose(rids, 4) == 3
     p.observe(rids, [2] * 4, 3, 4, 0.012)  # width 3 measured slow: the measure replaces the estimate
     assert p.cost(4, 3) == pytest.approx(0.012)
     assert p.choose(rids, 4) == 4
-    p.cfg.between_margin = 0.5  # 0.34 is not 1.5 x 0.26: back to an end
+    p.cfg.between_margin = 1.0  # 0.43 tokens/ms at width 4 is not 2 x 0.27: back to an end
     assert p.choose(rids, 4) == 8
+
+
+def _geometric(rng, rate, most):
+    n = 0
+    while n < most and rng.random() < rate:
+        n += 1
+    return n
+
+
+def test_acceptance_is_estimated_per_position():
+    """Drafts that pass in streaks (all or nothing) against drafts that pass independently at the same
+    first-draft rate: the per-position estimate expects more tokens from the streaks at the full width,
+    a one-rate (geometric) estimate could not tell them apart; a forgotten request's row starts again
+    from the prior."""
+    streaky, independent = Planner(W, PlannerConfig(mode="auto")), Planner(W, PlannerConfig(mode="auto"))
+    rng, rids = random.Random(0), [f"r{i}" for i in range(16)]
+    for _ in range(100):
+        streaky.observe(rids, [rng.choice([0, W - 1]) for _ in rids], W, 16, 0.01)
+        independent.observe(rids, [_geometric(rng, 0.5, W - 1) for _ in rids], W, 16, 0.01)
+    a_s, a_i = (sum(p.alpha(r) for r in rids) / 16 for p in (streaky, independent))
+    assert a_s == pytest.approx(0.5, abs=0.1) and a_i == pytest.approx(0.5, abs=0.1)
+    e_s, e_i = (p.expected_tokens(rids, W) / 16 for p in (streaky, independent))  # truth: 3.0 and 1.94
+    assert e_s == pytest.approx(3.0, abs=0.3) and e_i == pytest.approx(1.94, abs=0.2)
+    independent.forget("r0")
+    assert independent.alpha("r0") == pytest.approx(independent.prior_alpha())
 
 
 def test_planner_off_and_schedule():

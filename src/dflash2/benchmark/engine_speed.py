@@ -35,6 +35,9 @@ class ConcurrencyRow:
     mean_width: float = 0.0  # verify width per step, averaged (the planner's choices; fixed rows: their width)
     step_seconds: float = 0.0  # of ``seconds``: in batched decode steps
     prefill_seconds: float = 0.0  # of ``seconds``: in prefill chunks (the rest: the host between them)
+    # with the planner on: its step costs (ms by "bucket x width") and every request's acceptance per
+    # draft position, as it stood when the round ended
+    planner_state: dict = field(default_factory=dict)
 
 
 def measure(
@@ -114,6 +117,7 @@ def measure(
         mean_width=sum(w * k for w, k in s.steps_by_width.items()) / steps,
         step_seconds=s.step_s,
         prefill_seconds=s.prefill_s,
+        planner_state=eng.planner.state() if eng.planner.adapts else {},
     )
 
 
@@ -144,6 +148,7 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
         mean_width=avg("mean_width"),
         step_seconds=sum(r.step_seconds for r in rows),
         prefill_seconds=sum(r.prefill_seconds for r in rows),
+        planner_state=rows[-1].planner_state,
     )
 
 

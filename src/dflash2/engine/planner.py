@@ -4,10 +4,12 @@ picks: every step is a complete speculative step at its width.
 
 - Step cost per (batch bucket, width): a profile measured at start-up (the graph runner's replays)
   or injected, then an online average of the steps actually run, so host overhead counts too.
-- Acceptance per request: the probability that each next draft is accepted, an exponentially
-  weighted count of accepted / tried drafts with a prior from every request's (cold start: the
-  prior is optimistic, so new traffic verifies full blocks until the counts say otherwise).
-  Expected committed tokens at width ``w``: ``sum_{i < w} alpha^i``.
+- Acceptance per request and draft position: ``a[r, i]``, the probability that draft ``i`` is
+  accepted once drafts ``1 .. i-1`` were, an exponentially weighted count of (accepted, reached)
+  per position, shrunk toward every request's rate at that position (cold start: an optimistic
+  prior, so new traffic verifies full blocks until the counts say otherwise). Expected committed
+  tokens at width ``w``: ``1 + sum_{j < w} prod_{i <= j} a[r, i]``. Per position, not one rate:
+  a greedy streak makes later drafts likelier to pass (the one-rate model under-counted them).
 - Decisions are keyed on the decode requests only (prefills do not count) and switch only when the
   other width is ``hysteresis`` better. Every ``probe_every`` steps at one width, one step runs the
   other (width 1 observes no acceptance, and an unused width's cost goes stale as contexts grow).
@@ -24,6 +26,8 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 MODES = ("auto", "off")
 
@@ -59,23 +63,72 @@ class PlannerConfig:
     decay: float = 0.9  # per step, on a request's counts (recent steps matter most)
     cost_decay: float = 0.8  # weight of the old average when a step's time comes in
     # a width between 1 and the full one must beat both ends by this much more: its cost is interpolated
-    # until it runs, and acceptance is modelled as geometric, which under-counts long greedy streaks
-    # (measured: without it, greedy at 16 requests on the CPU fell from 1.5x to 1.2x of the target alone)
+    # until it runs (measured with the one-rate acceptance model of session 15: without a margin, greedy
+    # at 16 requests on the CPU fell from 1.5x to 1.2x of the target alone)
     between_margin: float = 0.15
+    global_decay: float = 0.98  # per step, on every request's per-position counts (the prior's)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"--speculative-planner must be one of {MODES}, got {self.mode!r}")
-        for name in ("hysteresis", "prior", "decay", "cost_decay", "between_margin"):
+        for name in ("hysteresis", "prior", "decay", "cost_decay", "between_margin", "global_decay"):
             v = getattr(self, name)
             if not 0 <= v < 1 + (name == "hysteresis") * 9:
                 raise ValueError(f"planner {name} out of range: {v}")
 
 
-@dataclass
-class _Counts:
-    accepted: float = 0.0
-    tried: float = 0.0
+class AcceptanceCounts:
+    """Decayed (accepted, reached) counts per request and draft position, as ``[rows, W-1]`` arrays
+    (one numpy update per step, not a Python loop over requests x positions on the hot path), and
+    every request's, for the prior."""
+
+    def __init__(self, positions: int, prior: float, prior_weight: float):
+        self.P, self.prior, self.k = positions, prior, prior_weight
+        self.row: dict[str, int] = {}
+        self.free: list[int] = []
+        self.acc = np.zeros((0, positions))
+        self.reached = np.zeros((0, positions))
+        self.total_acc, self.total_reached = np.zeros(positions), np.zeros(positions)
+
+    def rows(self, rids: list[str]) -> np.ndarray:
+        for rid in rids:
+            if rid not in self.row:
+                if not self.free:  # grow: double the rows
+                    n, m = len(self.acc), max(2 * len(self.acc), 8)
+                    self.free = list(range(m - 1, n - 1, -1))
+                    pad = np.zeros((m - n, self.P))
+                    self.acc, self.reached = np.vstack([self.acc, pad]), np.vstack([self.reached, pad])
+                self.row[rid] = self.free.pop()
+        return np.fromiter((self.row[r] for r in rids), dtype=np.int64, count=len(rids))
+
+    def prior_rates(self) -> np.ndarray:
+        """Every request's rate per position, the prior weighing ``10 x prior_weight`` reached drafts."""
+        m = 10 * self.k
+        return (self.total_acc + self.prior * m) / (self.total_reached + m)
+
+    def rates(self, rids: list[str]) -> np.ndarray:
+        """``[len(rids), W-1]``: each request's conditional acceptance per position."""
+        r = self.rows(rids)
+        return (self.acc[r] + self.k * self.prior_rates()) / (self.reached[r] + self.k)
+
+    def observe(self, rids: list[str], accepted: list[int], drafts: int, decay: float, global_decay: float) -> None:
+        """A step of ``drafts`` drafts per request: position ``i`` (0-based) was reached when the ``i``
+        drafts before it were accepted, and accepted when ``accepted > i``."""
+        r = self.rows(rids)
+        n = np.asarray(accepted)[:, None]
+        pos = np.arange(self.P)[None]
+        acc = (pos < n).astype(float)
+        reached = ((pos <= n) & (pos < drafts)).astype(float)
+        self.acc[r] = decay * self.acc[r] + acc
+        self.reached[r] = decay * self.reached[r] + reached
+        self.total_acc = global_decay * self.total_acc + acc.sum(0)
+        self.total_reached = global_decay * self.total_reached + reached.sum(0)
+
+    def forget(self, rid: str) -> None:
+        i = self.row.pop(rid, None)
+        if i is not None:
+            self.acc[i], self.reached[i] = 0.0, 0.0
+            self.free.append(i)
 
 
 @dataclass
@@ -87,11 +140,13 @@ class Planner:
     steps: int = 0
     last_run: dict[int, int] = field(default_factory=dict)  # width -> the step it last ran
     ratio: float | None = None  # cost(width 1) / cost(full width), latest seen
-    counts: dict[str, _Counts] = field(default_factory=dict)  # per request id
     # the widths a step can run (the runner's: every width eagerly, the captured ones in graphs);
     # () = 1 and the full width
     widths: tuple[int, ...] = ()
-    total: _Counts = field(default_factory=_Counts)  # every request's, for the prior
+    counts: AcceptanceCounts = field(init=False)  # per request and position
+
+    def __post_init__(self):
+        self.counts = AcceptanceCounts(max(self.width - 1, 1), self.cfg.prior, self.cfg.prior_weight)
 
     @property
     def adapts(self) -> bool:
@@ -107,20 +162,22 @@ class Planner:
 
     # ---- estimates -------------------------------------------------------------------------------
     def prior_alpha(self) -> float:
-        t, c = self.total, self.cfg
-        return (t.accepted + c.prior * 10 * c.prior_weight) / (t.tried + 10 * c.prior_weight)
+        """Every request's acceptance rate of the first draft (``/metrics``' calibration line)."""
+        return float(self.counts.prior_rates()[0])
 
     def alpha(self, rid: str) -> float:
-        c, k = self.counts.get(rid, _Counts()), self.cfg.prior_weight
-        return (c.accepted + k * self.prior_alpha()) / (c.tried + k)
+        """This request's estimated acceptance rate of its first draft."""
+        return float(self.counts.rates([rid])[0, 0])
+
+    def expected_by_width(self, rids: list[str]) -> np.ndarray:
+        """``[W]``: expected committed tokens of one step at widths ``1 .. W`` (accepted drafts + the
+        emitted token), summed over ``rids``."""
+        reach = np.cumprod(self.counts.rates(rids), axis=1)  # P(draft i accepted)
+        ones = np.ones((len(rids), 1))
+        return np.concatenate([ones, 1 + np.cumsum(reach, axis=1)], axis=1)[:, : self.width].sum(0)
 
     def expected_tokens(self, rids: list[str], width: int) -> float:
-        """Expected committed tokens of one step at ``width`` (accepted drafts + the emitted token)."""
-        out = 0.0
-        for rid in rids:
-            a = min(self.alpha(rid), 1 - 1e-9)
-            out += (1 - a**width) / (1 - a)
-        return out
+        return float(self.expected_by_width(rids)[width - 1])
 
     # ---- the decision ----------------------------------------------------------------------------
     def choose(self, rids: list[str], bucket: int) -> int:
@@ -141,7 +198,8 @@ class Planner:
         for end in (1, W):  # a probe keeps each end's cost (and, at the full width, acceptance) fresh
             if end != keep and self.steps - self.last_run.get(end, 0) >= cfg.probe_every:
                 return end
-        rate = {w: self.expected_tokens(rids, w) / c for w, c in cost.items() if c is not None}
+        tokens = self.expected_by_width(rids)
+        rate = {w: tokens[w - 1] / c for w, c in cost.items() if c is not None}
         ends = max(rate[1], rate[W])
         best = max(rate, key=lambda w: rate[w] if w in (1, W) or rate[w] > ends * (1 + cfg.between_margin) else 0.0)
         return best if rate[best] > rate[keep] * (1 + cfg.hysteresis) else keep
@@ -171,17 +229,20 @@ class Planner:
         self.last_run[width], self.current = self.steps, width
         if (bucket, 1) in self.costs and (bucket, self.width) in self.costs:
             self.ratio = self.costs[(bucket, 1)] / self.costs[(bucket, self.width)]
-        g = width - 1
-        if g == 0:
-            return
-        for rid, n in zip(rids, accepted):
-            c = self.counts.setdefault(rid, _Counts())
-            tried = n + (n < g)  # drafts accepted, plus the one rejected (none when the block was accepted whole)
-            c.accepted, c.tried = self.cfg.decay * c.accepted + n, self.cfg.decay * c.tried + tried
-            self.total.accepted, self.total.tried = 0.99 * self.total.accepted + n, 0.99 * self.total.tried + tried
+        if width > 1:
+            self.counts.observe(rids, accepted, width - 1, self.cfg.decay, self.cfg.global_decay)
 
     def forget(self, rid: str) -> None:
-        self.counts.pop(rid, None)
+        self.counts.forget(rid)
+
+    def state(self) -> dict:
+        """What the planner knows (benchmark rows): step costs in ms by "bucket x width", every
+        request's acceptance per draft position, and the steps run at each width."""
+        return {
+            "cost_ms": {f"{b}x{w}": round(1e3 * t, 3) for (b, w), t in sorted(self.costs.items())},
+            "prior_rates": [round(float(x), 3) for x in self.counts.prior_rates()],
+            "steps": self.steps,
+        }
 
 
 def _cache_dir() -> Path:
