@@ -843,6 +843,22 @@ def stage_steps(args) -> None:
                     times[key] = round(replay_ms(step, n), 3)
                     runner.start[:B] = 300  # the verify graph moves positions on
             del runner
+            # the target alone (no drafter): its one-token step, against the DFlash2 runner's width 1
+            plain = GraphModelRunner(target, None, 1, B, 1088, cuda_graph=dev == "cuda", attention=attention,
+                                     sampler=sampler)  # fmt: skip
+            reqs = [Request(prompt[: 300 - b], SamplingParams()) for b in range(B)]
+            for r in reqs:
+                plain.prefill(r)
+                r.output_ids.append(r.prompt_ids[-1])
+            plain._load(reqs, BatchSampling(*(getattr(sampling, f)[:, :0] if getattr(sampling, f).dim() == 2
+                                              else getattr(sampling, f) for f in BatchSampling.__dataclass_fields__)))  # fmt: skip
+            for greedy in (True, False):
+                step, _ = plain._graph("verify", B, greedy, 1088, 1)
+                times[f"{attention} {sampler} B{B} {'greedy' if greedy else 'T=1'} target-alone verify w1"] = round(
+                    replay_ms(step, n), 3
+                )
+                plain.start[:B] = 300
+            del plain
             if dev == "cuda":
                 torch.cuda.empty_cache()
     for k, v in times.items():
@@ -872,9 +888,15 @@ def stage_prefill(args) -> None:
     draft = load_draft(ROOT / "models" / "smollm2-135m-dflash2", device=dev, dtype=dtype).eval()
     target = TargetModel(random_llama("smollm2", dev, dtype), layer_ids=draft.config.target_layer_ids)
     report: dict = {"env": info}
-    for name, d in (("target", None), ("dflash2 w=5", draft)):
-        eng = LLMEngine(target, d, EngineConfig(max_running_requests=8, speculative=d is not None, num_draft_tokens=5,
-                                                context_length=1024, max_total_tokens=65536))  # fmt: skip
+    conc = int(args.concurrency.split(",")[0])
+    for name, d, planner in (
+        ("target", None, "off"),
+        ("dflash2 w=5", draft, "off"),
+        ("dflash2 w=5 adaptive", draft, "auto"),
+    ):
+        eng = LLMEngine(target, d, EngineConfig(max_running_requests=conc, speculative=d is not None, num_draft_tokens=5,
+                                                context_length=1024, max_total_tokens=65536, speculative_planner=planner,
+                                                block_verification=True))  # fmt: skip
         calls: list = []
         ops: dict = {}  # op -> [count, CPU ms], over the profiled round's prefill calls only
         inner = eng._prefill_chunks
@@ -915,6 +937,7 @@ def stage_prefill(args) -> None:
         wall = walls[1]
         top = sorted(ops.items(), key=lambda kv: -kv[1][1])[:20]
         report[name] = {
+            "concurrency": conc,
             "wall_s": round(wall, 3),
             "prefill_calls": [[b, n, round(ms, 2)] for b, n, ms in calls],
             "prefill_ms_total": round(sum(ms for *_, ms in calls), 1),

@@ -95,6 +95,14 @@ def test_planner_picks_a_width_between_when_the_runner_has_them():
     assert p.choose(rids, 4) == 8
 
 
+@torch.no_grad()
+def _argmax_continuation(t, prompt, n):
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(t.model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
 def _geometric(rng, rate, most):
     n = 0
     while n < most and rng.random() < rate:
@@ -288,3 +296,88 @@ def test_step_cost_table_profiles_every_bucket_and_width(llama):
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
     # the floor columns are the step times over (weight bytes / bandwidth): far above 1 for a tiny model
     assert all(float(r[4]) > 1 and float(r[5]) > 1 for r in rows)
+
+
+def test_speculate_new_requests_only_where_drafting_pays():
+    """At admission: with the planner off, always; auto with nothing measured, yes (cold start); auto
+    where the full width's expected tokens/s cannot beat the target alone's (width 0, else 1), no; a
+    pinned schedule by its width at that many running requests."""
+    p = Planner(W, PlannerConfig(mode="auto"))
+    assert p.speculate_new(4, 4)  # cold start
+    p.costs[(4, W)], p.costs[(4, 1)] = 0.050, 0.010  # prior 0.9: 4.1 tokens in 50 ms against 1 in 10
+    assert not p.speculate_new(4, 4)
+    p.costs[(4, W)] = 0.030  # 4.1 in 30 ms: drafting pays
+    assert p.speculate_new(4, 4)
+    p.observe_plain(4, 0.005)  # the target alone measured cheaper than a drafting request's width 1
+    assert not p.speculate_new(4, 4)
+    assert Planner(W, PlannerConfig(mode="off")).speculate_new(64, 64) and not Planner(1).speculate_new(1, 1)
+    sched = Planner(W, PlannerConfig(schedule=parse_schedule("8:5", W)))
+    assert sched.speculate_new(8, 8) and not sched.speculate_new(9, 12)
+
+
+@pytest.mark.parametrize("runner", ["paged", "static"])
+def test_requests_admitted_where_drafting_cannot_pay_run_the_target_alone(llama, runner, monkeypatch):
+    """The first two requests arrive before anything is measured and draft; then drafting is measured
+    not to pay, and the next four are admitted without drafting: no draft context for them (not in
+    their prefill, and no drafter work at all once the two are done), width 1 for every batch they
+    are in, one token of KV lookahead, and every output still the target's greedy one."""
+    t, d = llama
+    rows = {"prefill": 0, "late": 0}
+    real_rows, real_forward = DFlash2DraftModel.context_rows, DFlash2DraftModel.forward
+    eng = LLMEngine(
+        t,
+        d,
+        EngineConfig(
+            max_running_requests=6, num_draft_tokens=W, context_length=128, runner=runner, speculative_planner="auto"
+        ),
+    )
+    eng.planner.cfg = PlannerConfig(mode="auto", cost_decay=0.999, probe_every=1000)
+    prompts = [torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(6)]
+    reqs = [
+        Request(p, SamplingParams(max_new_tokens=8 if i < 2 else 30, ignore_eos=True)) for i, p in enumerate(prompts)
+    ]
+    in_prefill = {"on": False}
+    inner = eng._prefill_chunks
+
+    def prefill(chunks):
+        in_prefill["on"] = True
+        try:
+            inner(chunks)
+        finally:
+            in_prefill["on"] = False
+
+    def count(n):
+        if in_prefill["on"]:
+            rows["prefill"] += n
+        elif reqs[0].finished and reqs[1].finished:
+            rows["late"] += n
+
+    def counted_rows(self, feats, pos):
+        count(pos.numel())
+        return real_rows(self, feats, pos)
+
+    def counted_forward(self, *a, **k):
+        count(1)
+        return real_forward(self, *a, **k)
+
+    monkeypatch.setattr(eng, "_prefill_chunks", prefill)
+    monkeypatch.setattr(DFlash2DraftModel, "context_rows", counted_rows)
+    monkeypatch.setattr(DFlash2DraftModel, "forward", counted_forward)
+    for r in reqs[:2]:
+        eng.add_request(r)
+    eng.step()  # admitted (cold start: they draft) and prefilled
+    assert all(r.speculate for r in reqs[:2]) and rows["prefill"] >= 12
+    for B in range(1, 7):
+        eng.planner.costs[(B, W)], eng.planner.costs[(B, 1)] = 0.050, 0.010
+    for r in reqs[2:]:
+        eng.add_request(r)
+    rows["prefill"] = 0
+    eng.step()
+    assert not any(r.speculate for r in reqs[2:]) and eng.stats.requests_not_drafting == 4
+    assert rows["prefill"] == 0  # their prefill wrote no draft context
+    assert eng.scheduler.lookahead(reqs[2]) == 1 and eng.scheduler.lookahead(reqs[0]) == W
+    eng.run_until_done()
+    assert rows["late"] == 0 and all(r.finished_at > reqs[1].finished_at for r in reqs[2:])  # then the target only
+    assert all(r.width_sum == r.verify_steps for r in reqs[2:])  # width 1 whenever they ran
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == _argmax_continuation(t, p, r.sampling.max_new_tokens)  # EOS ignored

@@ -147,6 +147,7 @@ class EngineStats:
     verify_steps: int = 0  # per request per step, summed
     accepted_by_position: list[int] = field(default_factory=list)
     preemptions: int = 0
+    requests_not_drafting: int = 0  # admitted without drafting (Planner.speculate_new)
     steps: int = 0  # batched steps
     draft_s: float = 0.0  # time in draft forward + selector
     verify_s: float = 0.0  # time in the target verify forward
@@ -366,7 +367,12 @@ class LLMEngine:
                     if req.request_id == rid:
                         self._finish(req, "abort")
             self._aborts.clear()
-            self.prefilling.extend(self.scheduler.admit())
+            admitted = self.scheduler.admit(self._speculate if self.draft is not None else None)
+            self.stats.requests_not_drafting += sum(not r.speculate for r in admitted if not r.num_preemptions)
+            self.prefilling.extend(admitted)
+
+    def _speculate(self, n_running: int) -> bool:
+        return self.planner.speculate_new(n_running, self.runner.bucket(n_running))
 
     def _decode_batch(self) -> list[Request]:
         """The running requests whose prompt is in, once KV room for their next block is reserved
@@ -390,7 +396,8 @@ class LLMEngine:
         # all greedy (the usual batch): argmax acceptance needs no distributions, uniforms or parameters
         greedy = all(r.sampling.greedy for r in reqs)
         rids, bucket = [r.request_id for r in reqs], self.runner.bucket(len(reqs))
-        width = self.planner.choose(rids, bucket)
+        drafting = self.draft is not None and all(r.speculate for r in reqs)
+        width = self.planner.choose(rids, bucket) if drafting else 1  # a request that does not draft: width 1
         sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device)
         try:
             out = self.runner.step(reqs, sampling, width)
@@ -419,7 +426,10 @@ class LLMEngine:
         s.draft_s += out.draft_s
         s.verify_s += out.verify_s
         s.step_s += time.perf_counter() - t0
-        self.planner.observe(rids, out.num_accepted, width, bucket, time.perf_counter() - t0)
+        if drafting or self.draft is None:
+            self.planner.observe(rids, out.num_accepted, width, bucket, time.perf_counter() - t0)
+        elif not any(r.speculate for r in reqs):  # the target alone, no drafter upkeep
+            self.planner.observe_plain(bucket, time.perf_counter() - t0)
 
     def _prefill_some(self) -> None:
         """Up to ``chunked_prefill_size`` prompt tokens, oldest admitted first; a request whose prompt

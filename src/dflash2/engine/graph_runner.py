@@ -201,6 +201,8 @@ class GraphModelRunner:
             )
             self.ctx_pos = torch.arange(max_len, **lng)[None]
         self.pool = torch.cuda.graph_pool_handle() if self.use_graph else None
+        # a batch of requests that do not draft runs the target alone: width 1 without the latent writes
+        self.plain_graphs = draft is not None and 1 in self.verify_widths
         self.graphs: dict[tuple[str, int, bool, int, int], tuple[Replay, dict]] = {}  # kind, B, greedy, kv_len, w
         # Capture every bucket now, largest first so smaller ones reuse its memory (a capture inside a
         # step would cost that step ~0.1 s); the idle slots the warm-up calls write into are
@@ -216,6 +218,8 @@ class GraphModelRunner:
                     for B in reversed(self.buckets):
                         for w in self.verify_widths:
                             self._graph("verify", B, greedy, self._verify_kv(kv_len), w)
+                        if self.plain_graphs:
+                            self._graph("plain", B, greedy, self._verify_kv(kv_len), 1)
                         if draft is not None:
                             self._graph("draft", B, greedy, kv_len)
             except RuntimeError as e:
@@ -247,14 +251,15 @@ class GraphModelRunner:
     @torch.no_grad()
     def profile(self, repeats: int = 5) -> dict[tuple[int, int], float]:
         """Seconds per greedy step by (bucket, verify width), replayed over the shortest attention
-        prefix, synchronised (before any request: the rows written are idle slots')."""
+        prefix, synchronised (before any request: the rows written are idle slots'). Width 0: the
+        target alone, without the drafter's latent writes (a batch of requests that do not draft)."""
         sync = torch.cuda.synchronize if self.use_graph else (lambda: None)
         out: dict[tuple[int, int], float] = {}
         kv_len = self.kv_buckets[0]
         for B in self.buckets:
-            for w in self.verify_widths:
+            for w in self.verify_widths + ((0,) if self.plain_graphs else ()):
                 fns = ([self._graph("draft", B, True, kv_len)[0]] if w > 1 and self.draft is not None else []) + [
-                    self._graph("verify", B, True, self._verify_kv(kv_len), w)[0]
+                    self._graph("plain" if w == 0 else "verify", B, True, self._verify_kv(kv_len), max(w, 1))[0]
                 ]
                 for fn in fns:  # once untimed
                     fn()
@@ -325,8 +330,8 @@ class GraphModelRunner:
         key = (kind, B, greedy, kv_len, width or self.w)
         if key not in self.graphs:
             out: dict = {}
-            if kind == "verify":
-                fn = partial(self._verify_fn, B, greedy, kv_len, out, key[4])
+            if kind in ("verify", "plain"):
+                fn = partial(self._verify_fn, B, greedy, kv_len, out, key[4], kind == "verify")
             else:
                 fn = partial(self._draft_fn, B, greedy, kv_len, out)
             with torch.no_grad():
@@ -344,10 +349,12 @@ class GraphModelRunner:
         cols = [getattr(self.sampling, f)[:B] for f in BatchSampling.__dataclass_fields__]
         return BatchSampling(*(c[:, :g] if c.dim() == 2 and g is not None else c for c in cols))
 
-    def _verify_fn(self, B: int, greedy: bool, kv_len: int, out: dict, w: int) -> None:
+    def _verify_fn(self, B: int, greedy: bool, kv_len: int, out: dict, w: int, latents: bool = True) -> None:
         logits, feats = self.static.forward(self.ids[:B, :w], self.start[:B], kv_len=kv_len, tables=self.tables[:B])
         logits = steps.suppress_stops(logits, self.stop_mask[:B], self.owed[:B])
-        if self.draft is not None:  # every row's latent at its position (rows past the accepted ones stay masked)
+        if (
+            self.draft is not None and latents
+        ):  # every row's latent at its position (rows past the accepted ones stay masked)
             pos = self.start[:B, None] + self.ar[:w]
             page, off = self._at(B, pos)
             self.lat[:, page, off] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
@@ -414,7 +421,7 @@ class GraphModelRunner:
         logits, feats = logits[0], feats[0]
         if every_row:
             steps.record_prompt_logprobs(req, logits, p)
-        if self.draft is not None:
+        if self.draft is not None and req.speculate:
             pos = torch.arange(p, p + len(chunk), device=dev)
             page, off = table[0, pos // self.page].long(), pos % self.page
             self.lat[:, page, off] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
@@ -466,9 +473,10 @@ class GraphModelRunner:
             tables=tables,
             last=torch.tensor(lens, device=dev) - 1,
         )
-        if self.draft is not None:  # the draft's latents of the real rows only
-            offs = torch.arange(width, device=dev)[None]
-            pos, real = start[:, None] + offs, offs < torch.tensor(lens, device=dev)[:, None]
+        if self.draft is not None and any(r.speculate for r, _ in chunks):  # the draft's latents of the real rows
+            offs = torch.arange(width, device=dev)[None]  # of requests that draft
+            drafts = torch.tensor([r.speculate for r, _ in chunks], device=dev)[:, None]
+            pos, real = start[:, None] + offs, (offs < torch.tensor(lens, device=dev)[:, None]) & drafts
             page, off = tables.gather(1, pos // self.page).long()[real], pos[real] % self.page
             self.lat[:, page, off] = self.draft.context_rows(feats[real], pos[real]).to(self.lat.dtype)
         out: list[torch.Tensor | None] = []
@@ -519,9 +527,14 @@ class GraphModelRunner:
         idx, B, kv_len = self._load(reqs, sampling)
         greedy = sampling is None
         if w > 1:
+            if not all(r.speculate for r in reqs):
+                raise ValueError("a request that does not draft can only run width 1")
             self._graph("draft", B, greedy, kv_len)[0]()
         t1 = time.perf_counter()
-        replay, out = self._graph("verify", B, greedy, self._verify_kv(kv_len), w)
+        # no request of the batch drafts: the target alone (the occupied slots outside the batch are
+        # prefilling, and their own prefill writes their latents)
+        kind = "plain" if w == 1 and self.plain_graphs and not any(r.speculate for r in reqs) else "verify"
+        replay, out = self._graph(kind, B, greedy, self._verify_kv(kv_len), w)
         replay()
         res = steps.finish_step(out["rows"][idx], t0, t1)
         if steps.wants_logprobs(reqs):

@@ -89,7 +89,8 @@ class ModelRunner:
         ids, t, p = prefill_ids(req), self.target, req.prefill_pos
         if p == 0:
             req.target_state = t.new_state()
-            req.draft_cache = DraftContextCache(self.draft) if self.draft is not None else None
+            drafts = self.draft is not None and req.speculate  # a request that does not draft keeps no context
+            req.draft_cache = DraftContextCache(self.draft) if drafts else None
         chunk = ids[p : p + (max_tokens or len(ids))]
         state = req.target_state
         keep = 0 if req.sampling.prompt_logprobs is not None else 1  # 0: every row
@@ -97,7 +98,7 @@ class ModelRunner:
         if keep == 0:
             steps.record_prompt_logprobs(req, logits, p)
         t.commit(state, len(chunk))
-        if self.draft is not None:
+        if req.draft_cache is not None:
             req.draft_cache.append(self.draft, feats, p)
         req.prefill_pos = p + len(chunk)
         if req.prefill_pos < len(ids):
@@ -118,6 +119,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=self.target.device)
         if (width or self.w) > 1:
+            if not all(r.speculate for r in reqs):
+                raise ValueError("a request that does not draft can only run width 1")
             drafts, q_draft = self.propose(reqs, anchors, sampling, width or self.w)
         else:
             drafts, q_draft = anchors[:, None][:, :0], None
@@ -185,8 +188,14 @@ class ModelRunner:
             if not self.paged:
                 self.target.commit(r.target_state, keep[b])
             r.num_committed += keep[b]
-        if self.draft is not None:
-            append_many(self.draft, [r.draft_cache for r in reqs], [feats[b, :n] for b, n in enumerate(keep)], starts)
+        drafting = [b for b, r in enumerate(reqs) if r.draft_cache is not None]
+        if drafting:
+            append_many(
+                self.draft,
+                [reqs[b].draft_cache for b in drafting],
+                [feats[b, : keep[b]] for b in drafting],
+                [starts[b] for b in drafting],
+            )
 
     # ---- draft --------------------------------------------------------------------------------
     @property

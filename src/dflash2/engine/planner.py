@@ -17,6 +17,13 @@ picks: every step is a complete speculative step at its width.
   two seen anywhere, so each new batch size does not have to try both. Where the runner can run
   any width (the eager paged runner), the widths between 1 and the full one are costed linearly
   between the two ends until they have run, and the best of them all is taken.
+- Whether a new request drafts at all (:meth:`Planner.speculate_new`), once, at admission: where
+  the best drafting width cannot beat the target alone at that load, it does not, and keeps no
+  draft context (no drafter work in its prefill or its steps, one token of KV lookahead). Width 1
+  of a drafting request still writes its draft context (15% over the target alone's step on the
+  H200 at 8-64 rows, docs/benchmarks.md), so per-step choices alone cannot reach the target's
+  speed under load; a batch of such requests runs the target alone (cost key width 0). Under
+  sustained load the drafting requests drain as they finish; when the load drops, new ones draft.
 """
 
 from __future__ import annotations
@@ -203,6 +210,33 @@ class Planner:
         ends = max(rate[1], rate[W])
         best = max(rate, key=lambda w: rate[w] if w in (1, W) or rate[w] > ends * (1 + cfg.between_margin) else 0.0)
         return best if rate[best] > rate[keep] * (1 + cfg.hysteresis) else keep
+
+    def speculate_new(self, n_running: int, bucket: int) -> bool:
+        """Whether a request admitted now, making ``n_running`` decode requests at ``bucket``, drafts
+        for its lifetime: the planner off, always; a pinned schedule, where it gives a width above 1
+        at ``n_running``; auto, where the best drafting width's expected tokens/s (every request's
+        acceptance per position) beats the target alone's (width 0 measured, else width 1), or
+        nothing is measured yet (cold start: draft, and learn)."""
+        W, cfg = self.width, self.cfg
+        if W == 1:
+            return False
+        if cfg.schedule:
+            return next((w for b, w in cfg.schedule if n_running <= b), 1) > 1
+        if cfg.mode == "off":
+            return True
+        plain = self.costs.get((bucket, 0)) or self.cost(bucket, 1)
+        cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {W}) if w > 1}
+        if plain is None or cost[W] is None:
+            return True
+        reach = np.cumprod(self.counts.prior_rates())
+        tokens = np.concatenate([[1.0], 1 + np.cumsum(reach)])
+        return bool(max(tokens[w - 1] / c for w, c in cost.items() if c is not None) >= 1 / plain)
+
+    def observe_plain(self, bucket: int, seconds: float) -> None:
+        """A step of requests that do not draft: the target alone's cost at ``bucket`` (width 0)."""
+        if self.adapts:
+            key, d = (bucket, 0), self.cfg.cost_decay
+            self.costs[key] = seconds if key not in self.costs else d * self.costs[key] + (1 - d) * seconds
 
     def cost(self, bucket: int, width: int) -> float | None:
         """Seconds of a step at ``width``: measured at this bucket, or derived from the other end

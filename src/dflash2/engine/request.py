@@ -55,6 +55,9 @@ class Request:
     draft_s: float = 0.0  # its steps' draft and verify time (a batched step counts in full)
     verify_s: float = 0.0
     width_sum: int = 0  # verify widths of its steps, summed (the planner's choices)
+    # whether it drafts at all: decided once, at admission (Planner.speculate_new); a request that does
+    # not keeps no draft context and reserves one token of KV lookahead, not a block
+    speculate: bool = True
 
     @property
     def all_ids(self) -> list[int]:

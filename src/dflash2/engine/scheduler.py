@@ -5,6 +5,7 @@ runner's (:class:`.steps.KVManager`): pages of the paged runner's pool, or the s
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from .steps import KVManager
 from .request import Request, Status
@@ -19,12 +20,16 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def admit(self) -> list[Request]:
-        """Requests to prefill now (their blocks are reserved for the prefill plus one step)."""
+    def admit(self, speculate: Callable[[int], bool] | None = None) -> list[Request]:
+        """Requests to prefill now (their blocks are reserved for the prefill plus one step).
+        ``speculate(n)``: whether a new request that makes ``n`` running ones drafts (asked once, at
+        its first admission; a preempted request keeps its answer)."""
         admitted = []
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
-            need = len(req.all_ids) + self.width
+            if speculate is not None and not req.output_ids and not req.num_preemptions:
+                req.speculate = speculate(len(self.running) + 1)
+            need = len(req.all_ids) + self.lookahead(req)
             if not self.bm.can_grow(req, need):
                 break
             self.waiting.popleft()
@@ -36,7 +41,12 @@ class Scheduler:
 
     def fits(self, req: Request) -> bool:
         """Whether ``req``'s prefill and first step fit the KV memory as it is now."""
-        return self.bm.can_grow(req, len(req.all_ids) + self.width)
+        return self.bm.can_grow(req, len(req.all_ids) + self.lookahead(req))
+
+    def lookahead(self, req: Request) -> int:
+        """KV positions past the committed ones that its next step may write: a block, or one token for
+        a request that does not draft."""
+        return self.width if req.speculate else 1
 
     def reserve_step(self) -> list[Request]:
         """Blocks for one verify step of every running request; preempts the newest as needed.
@@ -45,7 +55,7 @@ class Scheduler:
         for req in list(self.running):
             if req not in self.running:
                 continue
-            while not self.bm.can_grow(req, req.num_committed + self.width):
+            while not self.bm.can_grow(req, req.num_committed + self.lookahead(req)):
                 victim = self.running[-1]
                 self.running.remove(victim)
                 self.bm.release(victim)
@@ -56,7 +66,7 @@ class Scheduler:
                 if victim is req:
                     break
             if req in self.running:
-                self.bm.grow(req, req.num_committed + self.width)
+                self.bm.grow(req, req.num_committed + self.lookahead(req))
         return preempted
 
     def finish(self, req: Request) -> None:

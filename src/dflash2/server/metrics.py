@@ -69,6 +69,11 @@ class _EngineCollector:
         yield GaugeMetricFamily(
             "dflash2_spec_planner_alpha", "Planner's prior per-draft acceptance", value=e.planner.prior_alpha()
         )
+        yield CounterMetricFamily(
+            "dflash2_spec_requests_not_drafting",
+            "Requests admitted without drafting (the planner: drafting could not pay at that load)",
+            value=s.requests_not_drafting,
+        )
         tried = s.drafts_proposed
         yield GaugeMetricFamily(
             "dflash2_spec_observed_accept_rate",
