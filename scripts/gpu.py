@@ -1036,34 +1036,39 @@ def stage_hardening(args) -> None:
     )
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, VOCAB, (int(n),), generator=g) for n in torch.randint(3, 90, (12,), generator=g)]
-    eng = LLMEngine(
-        t,
-        d,
-        EngineConfig(
-            max_running_requests=8,
-            num_draft_tokens=5,
-            context_length=256,
-            chunked_prefill_size=16,
-            max_total_tokens=8192,
-        ),
-    )
-    reqs = [Request(p.tolist(), SamplingParams(max_new_tokens=24)) for p in prompts]
-    t0 = time.time()
-    for r in reqs:
-        eng.add_request(r)
-    eng.run_until_done()
-    same = 0
-    for p, r in zip(prompts, reqs):
-        ref = t.model.generate(p[None].to(dev), max_new_tokens=24, do_sample=False)[0, p.numel() :]
-        same += r.output_ids == ref.tolist()
-    report["greedy_chunked"] = {
-        "runner": type(eng.runner).__name__,
-        "graphed": eng.runner.use_graph,
-        "identical": same,
-        "of": len(reqs),
-        "seconds": round(time.time() - t0, 2),
-    }
-    log(f"greedy, chunked prefill 16, graphs: {json.dumps(report['greedy_chunked'])}")
+    # chunks of 16 (a long prompt's later chunks run eagerly), then whole prompts (requests admitted
+    # alone as others finish replay the padded prefill graphs)
+    for chunk in (16, 2048):
+        eng = LLMEngine(
+            t,
+            d,
+            EngineConfig(
+                max_running_requests=8,
+                num_draft_tokens=5,
+                context_length=256,
+                chunked_prefill_size=chunk,
+                max_total_tokens=8192,
+            ),
+        )
+        reqs = [Request(p.tolist(), SamplingParams(max_new_tokens=24)) for p in prompts]
+        t0 = time.time()
+        for r in reqs:
+            eng.add_request(r)
+        eng.run_until_done()
+        same = 0
+        for p, r in zip(prompts, reqs):
+            ref = t.model.generate(p[None].to(dev), max_new_tokens=24, do_sample=False)[0, p.numel() :]
+            same += r.output_ids == ref.tolist()
+        key = "greedy_chunked" if chunk == 16 else "greedy_whole_prompts"
+        report[key] = {
+            "runner": type(eng.runner).__name__,
+            "graphed": eng.runner.use_graph,
+            "prefill_graphed": getattr(eng.runner, "prefill_graphed", False),
+            "identical": same,
+            "of": len(reqs),
+            "seconds": round(time.time() - t0, 2),
+        }
+        log(f"greedy, chunked prefill {chunk}, graphs: {json.dumps(report[key])}")
     V = 8
     model = sharp_v8_llama(3).to(dev)
     tt = TargetModel(model, layer_ids=[0])

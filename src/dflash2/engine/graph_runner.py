@@ -41,6 +41,11 @@ BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # the prefixes then bound only the draft's window of context latents.
 KV_BUCKETS = (1024,)
 KV_BUCKETS_EAGER = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# A new request's prompt, prefilled alone (one request admitted as another finishes: the usual case
+# under continuous batching), is padded to one of these lengths and replayed as a graph: eager, its
+# 30-layer forward was ~2,400 kernel launches, 20-50 ms on the H200 for any length, against 2-6 ms
+# for a decode step (docs/benchmarks.md, sixteenth session).
+PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
 
 
 class Replay:
@@ -201,6 +206,14 @@ class GraphModelRunner:
             )
             self.ctx_pos = torch.arange(max_len, **lng)[None]
         self.pool = torch.cuda.graph_pool_handle() if self.use_graph else None
+        # one request's first prompt chunk, padded to a bucket (paged pools: padded rows land past the
+        # prompt, or on the scratch page, as in prefill_batch): ids, its last real row, its table
+        self.prefill_buckets = tuple(b for b in PREFILL_BUCKETS if b <= max_len) if self.paged else ()
+        L = max(self.prefill_buckets, default=0)
+        self.pf_ids = torch.zeros(1, L, **lng)
+        self.pf_last = torch.zeros(1, **lng)
+        self.pf_table = self.tables[:1].clone()
+        self.prefill_graphs: dict[tuple[int, bool], tuple[Replay, dict]] = {}  # (bucket, latents)
         # a batch of requests that do not draft runs the target alone: width 1 without the latent writes
         self.plain_graphs = draft is not None and 1 in self.verify_widths
         self.graphs: dict[tuple[str, int, bool, int, int], tuple[Replay, dict]] = {}  # kind, B, greedy, kv_len, w
@@ -229,6 +242,15 @@ class GraphModelRunner:
                 )
                 self.graphed[greedy] = False
                 self.graphs = {k: v for k, v in self.graphs.items() if k[2] != greedy}
+        self.prefill_graphed = self.use_graph
+        if self.use_graph:
+            try:
+                for L in reversed(self.prefill_buckets):
+                    for latents in (True, False) if draft is not None else (False,):
+                        self._prefill_graph(L, latents)
+            except RuntimeError as e:
+                warnings.warn(f"CUDA graph capture of prefill failed ({type(e).__name__}: {e}); prefill runs eagerly")
+                self.prefill_graphed, self.prefill_graphs = False, {}
 
     # ---- slots --------------------------------------------------------------------------------
     def _index(self, reqs: list[Request]) -> tuple[torch.Tensor | slice, int, int]:
@@ -338,6 +360,30 @@ class GraphModelRunner:
                 self.graphs[key] = (Replay(fn, self.graphed[greedy], self.pool), out)
         return self.graphs[key]
 
+    def _prefill_graph(self, L: int, latents: bool) -> tuple[Replay, dict]:
+        key = (L, latents)
+        if key not in self.prefill_graphs:
+            out: dict = {}
+            with torch.no_grad():
+                self.prefill_graphs[key] = (
+                    Replay(partial(self._prefill_fn, L, latents, out), self.prefill_graphed, self.pool),
+                    out,
+                )
+        return self.prefill_graphs[key]
+
+    def _prefill_fn(self, L: int, latents: bool, out: dict) -> None:
+        """One request's first chunk, ``pf_ids[:, :L]`` from position 0 through ``pf_table``: K/V (and,
+        if it drafts, the draft's latents) of every row, padded ones past the prompt included (never
+        read: a query reads keys up to its own position, each written before it is read), and the
+        logits of row ``pf_last``."""
+        zero = self.pf_last.new_zeros(1)
+        logits, feats = self.static.forward(self.pf_ids[:, :L], zero, kv_len=L, tables=self.pf_table, last=self.pf_last)
+        if latents:
+            pos = self.ctx_pos[0, :L]
+            page, off = self.pf_table[0, pos // self.page].long(), pos % self.page
+            self.lat[:, page, off] = self.draft.context_rows(feats[0], pos).to(self.lat.dtype)
+        out["logits"] = logits
+
     def _verify_kv(self, kv_len: int) -> int:
         """The prefix a verify graph is keyed by: the live kernel reads live keys whatever the prefix."""
         return self.max_len if self.live else kv_len
@@ -410,6 +456,16 @@ class GraphModelRunner:
         chunk = ids[p : p + (max_tokens or len(ids))]
         table = self.tables[s : s + 1]
         every_row = req.sampling.prompt_logprobs is not None and not req.output_ids
+        if p == 0 and not every_row and chunk and len(chunk) <= max(self.prefill_buckets, default=0):
+            L = next(b for b in self.prefill_buckets if b >= len(chunk))  # padded, replayed (see PREFILL_BUCKETS)
+            self.pf_ids[0, : len(chunk)] = torch.tensor(chunk, device=dev)
+            self.pf_last.fill_(len(chunk) - 1)
+            self.pf_table.copy_(table)
+            replay, out = self._prefill_graph(L, self.draft is not None and req.speculate)
+            replay()
+            req.prefill_pos = req.num_committed = len(chunk)
+            self.stale.add(s)
+            return out["logits"][0, -1] if req.prefill_pos == len(ids) else None
         logits, feats = self.static.forward(
             torch.tensor(chunk, device=dev)[None],
             torch.full((1,), p, dtype=torch.long, device=dev),
