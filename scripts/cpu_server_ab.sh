@@ -34,3 +34,5 @@ for t in 0 1; do
 done
 run none "--speculative-algorithm NONE" 1 6 0
 run auto "--speculative-planner auto" 1 6 0
+run none "--speculative-algorithm NONE" 1 6 1
+run auto "--speculative-planner auto" 1 6 1
