@@ -178,6 +178,30 @@ def test_paged_slots_move_tables_not_data(llama):
     assert torch.equal(runner.static.k_cache[:, pages[2][0], :, :4], k_last)  # nothing copied
 
 
+def test_padded_prefill_equals_the_eager_prefill(llama):
+    """A request's first chunk, prefilled alone, is padded to a bucket (the function a CUDA graph replays
+    on the GPU): its last logits are the target's, and the K/V and draft latents of its real rows equal
+    the unpadded eager prefill's."""
+    t, d = llama
+    prompt = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = {}
+    for padded in (True, False):
+        runner = GraphModelRunner(t, d, 5, num_slots=2, max_len=130, cuda_graph=False, page_size=64, num_pages=4)
+        if not padded:
+            runner.prefill_buckets = ()
+        assert runner.prefill_buckets == ((32, 64, 128) if padded else ())
+        r = Request(prompt, SamplingParams())
+        runner.kv.grow(r, 45)
+        logits = runner.prefill(r)
+        page = r.block_table[0]
+        out[padded] = (logits, runner.static.k_cache[:, page, :, :40].clone(), runner.lat[:, page, :40].clone())
+    with torch.no_grad():
+        ref = t.model(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(out[True][0], ref, atol=1e-4, rtol=1e-4)
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("runner", ["paged", "static"])
 @pytest.mark.parametrize("method", ["token", "block"])
 def test_engine_sampled_equals_single_request_loop(llama, runner, method):
