@@ -77,6 +77,7 @@ def cmd_run(args) -> int:
         flush=True,
     )
     target, draft, width = load_models(args)
+    args.speculative_planner = "off"  # the side by side shows the method at its width
     ids = render(target.tokenizer, f"{args.question}\n{GSM8K_SUFFIX}")
     sp = SamplingParams(max_new_tokens=args.max_new_tokens)
     plain = one_slot_engine(target, None, 1, args, len(ids) + sp.max_new_tokens)

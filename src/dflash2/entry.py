@@ -64,12 +64,13 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--speculative-use-block-verification", action="store_true")
     ap.add_argument(
         "--speculative-planner",
-        default="off",
+        default="auto",
         choices=["auto", "off"],
-        help="auto: each engine step verifies the full width or 1 (the target alone, no draft forward), "
-        "whichever promises more tokens/s from measured step costs and each request's acceptance "
-        "(not yet faster than the fixed width where measured: docs/benchmarks.md); off (default): always "
-        "the full width, and a seeded sampled request repeats token for token under any load",
+        help="auto (default): a request drafts only where drafting beats the target alone at the load it "
+        "arrives in, and each step verifies the width that promises the most tokens/s from measured step "
+        "costs and each request's acceptance per position (1: the target alone, no draft forward); "
+        "lossless either way (docs/benchmarks.md, sixteenth session). off: always the full width, and a "
+        "seeded sampled request repeats token for token under any load",
     )
     ap.add_argument(
         "--speculative-width-schedule",
