@@ -279,7 +279,7 @@ def test_sglang_response_extras(card):
     post = lambda body: httpx.post(url + "/generate", headers=AUTH, json=body, timeout=60).json()
     free = post({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
     meta = free["meta_info"]
-    assert meta["cached_tokens"] == 0 and 0 <= meta["spec_accept_rate"] <= 1
+    assert meta["cached_tokens"] == 0 and 0 <= meta["spec_accept_rate"] <= 1 and isinstance(meta["spec_drafting"], bool)
     if meta["finish_reason"]["type"] == "length":
         assert meta["finish_reason"]["length"] == 12
     stop = free["text"][3:6]

@@ -976,6 +976,8 @@ async def generate(body: GenerateRequest, http: HTTPRequest):
             "spec_accept_rate": round(req.spec_accept_rate, 4),
             "spec_accept_histogram": req.accept_hist,
             "spec_mean_width": round(req.mean_width, 4),  # the planner's verify widths, averaged
+            # whether it drafted at all (the planner admits a request without drafting where it cannot pay)
+            "spec_drafting": st.engine.draft is not None and req.speculate,
             "finish_reason": sglang_finish(req),
             "e2e_latency": time.perf_counter() - t0,
         } | (logprob_meta(req) if body.return_logprob else {})
