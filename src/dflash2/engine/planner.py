@@ -298,6 +298,7 @@ def cached_profile(runner, target, draft) -> dict[tuple[int, int], float]:
         "widths": list(runner.verify_widths),
         "kv": runner.kv_buckets[0],
         "graphs": runner.use_graph,
+        "plain": getattr(runner, "plain_graphs", False),  # width 0 (the target alone) profiled too
     }
     key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:24]
     path = _cache_dir() / f"{key}.json"
