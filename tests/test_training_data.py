@@ -131,6 +131,7 @@ def test_data_recipe_validation():
         ({"sources": {"gsm8k": 5}, "answers": [{"fraction": 0.7}, {"fraction": 0.7}]}, "fractions"),
         ({"sources": {"gsm8k": 5}, "answers": [{"fraction": 1, "temprature": 1}]}, "unknown key"),
         ({"sources": {"gsm8k": 5}, "answers": [{"fraction": 1, "top_p": 0}]}, "top_p"),
+        ({"sources": {"gsm8k": 5}, "generator": "vllm"}, "generator"),
     ):
         with pytest.raises(ValueError, match=msg):
             DataRecipe.from_dict(bad)
@@ -204,6 +205,45 @@ def test_train_config_runs_the_recipe_end_to_end(tmp_path):
     train(tc, target=target)
     log = [json.loads(l) for l in (tmp_path / "draft" / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+
+
+def test_engine_answers_equal_hf_generate():
+    """The recipe's ``generator: engine``: greedy answers through our engine (target alone, continuous
+    batching over more prompts than running slots) equal Hugging Face ``generate``'s, EOS included;
+    sampled answers stop at EOS or the length; a deadline already past starts nothing."""
+    import time
+
+    import transformers as tf
+
+    from dflash2.target import TargetModel
+    from dflash2.target.loading import default_target_path
+    from dflash2.training.data import engine_responses, generate_responses, render
+
+    tok = tf.AutoTokenizer.from_pretrained(default_target_path())
+    torch.manual_seed(0)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         eos_token_id=eos, bos_token_id=1, pad_token_id=0)  # fmt: skip
+    model = tf.LlamaForCausalLM(cfg).eval()
+    prompts = [f"question {i}: tell me about {w}" for i, w in enumerate(["cats", "loops", "rain", "tea", "maps"])]
+    with torch.no_grad():  # EOS's logit near the top one along the mean final hidden state: some greedy answers stop
+        h = torch.cat(
+            [model(torch.tensor([render(tok, p)]), output_hidden_states=True).hidden_states[-1][0] for p in prompts]
+        )
+        model.lm_head.weight[eos] = 0.4 * h.mean(0) / h.mean(0).norm() ** 2
+    target = TargetModel(model, tok)
+    hf = generate_responses(model, tok, prompts, batch_size=1, max_new_tokens=20, domains=list("abcde"))
+    ours = engine_responses(target, prompts, max_running=2, max_new_tokens=20, domains=list("abcde"))
+    key = lambda rows: sorted((r["domain"], r["ids"].tolist(), r["prompt_len"]) for r in rows)  # noqa: E731
+    assert key(ours) == key(hf)
+    assert any(len(r["ids"]) - r["prompt_len"] < 20 and int(r["ids"][-1]) == eos for r in ours)  # EOS, kept
+    sampled = engine_responses(target, prompts, max_running=3, max_new_tokens=20, temperature=1.0, top_p=0.95)
+    assert len(sampled) == 5
+    for r in sampled:
+        answer = r["ids"][r["prompt_len"] :].tolist()
+        assert 1 <= len(answer) <= 20 and (answer[-1] == eos or len(answer) == 20) and eos not in answer[:-1]
+    assert engine_responses(target, prompts, deadline=time.perf_counter() - 1) == []
 
 
 def test_prepare_data_cli_prompts_only(tmp_path, monkeypatch):

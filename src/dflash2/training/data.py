@@ -132,6 +132,71 @@ def generate_responses(
     return rows
 
 
+@torch.no_grad()
+def engine_responses(
+    target,
+    prompts: list[str] | list[list[dict]],
+    max_running: int = 256,
+    max_new_tokens: int = 384,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    domains: list[str] | None = None,
+    max_prompt_tokens: int | None = None,
+    deadline: float | None = None,
+) -> list[dict]:
+    """:func:`generate_responses` through our serving engine instead of Hugging Face ``generate``: the
+    target alone (``target``: a :class:`~dflash2.target.TargetModel`), continuous batching, CUDA graphs
+    where they apply, each request seeded by its index. Rows are the same kind (the answer up to and
+    with its EOS); no new request starts after ``deadline``. Greedy answers equal ``generate``'s in
+    float32 (tested)."""
+    import time
+
+    from ..engine.engine import EngineConfig, LLMEngine
+    from ..engine.request import Request
+    from ..sampling import SamplingParams
+
+    encoded = [render(target.tokenizer, p) for p in prompts]
+    keep = [i for i in range(len(encoded)) if max_prompt_tokens is None or len(encoded[i]) <= max_prompt_tokens]
+    longest = max((len(encoded[i]) for i in keep), default=1)
+    eng = LLMEngine(
+        target,
+        None,
+        EngineConfig.for_models(
+            target,
+            None,
+            1,
+            context_length=longest + max_new_tokens + 1,
+            max_running_requests=max_running,
+            max_total_tokens=max_running * (longest + max_new_tokens + 2),
+        ),
+    )
+    pending, started = list(reversed(keep)), []
+    ended = lambda: eng.stats.completed + eng.stats.failed + eng.stats.aborted  # noqa: E731
+    with tqdm(total=len(keep), desc=f"engine T={temperature}") as bar:
+        while pending or eng.has_work():
+            # keep the queue one batch deep, so a deadline stops admissions, not answers in flight
+            while pending and len(eng.scheduler.waiting) < max_running:
+                if deadline is not None and time.perf_counter() > deadline:
+                    pending = []
+                    break
+                i = pending.pop()
+                sp = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed + i)
+                started.append((i, eng.add_request(Request(encoded[i], sp))))
+            done = ended()
+            eng.step()
+            bar.update(ended() - done)
+    rows = []
+    for i, r in started:
+        if r.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"answering prompt {i} failed: {r.error or r.finish_reason}")
+        row = {"ids": torch.tensor(encoded[i] + r.output_ids, dtype=torch.int32), "prompt_len": len(encoded[i])}
+        if domains is not None:
+            row["domain"] = domains[i]
+        rows.append(row)
+    return rows
+
+
 @dataclass
 class TokenDataset:
     """Rows ``{ids, prompt_len[, domain]}``. Saved compactly as ``.npz`` (ids concatenated, uint16

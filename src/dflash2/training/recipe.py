@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data import TokenDataset, generate_responses, render
+from .data import TokenDataset, engine_responses, generate_responses, render
 from .sources import Prompt, PromptSet, build_prompts, load_prompts, save_prompts
 
 
@@ -36,8 +36,9 @@ class DataRecipe:
     heldout_per_domain: int = 40
     max_new_tokens: int = 384
     max_prompt_tokens: int = 1024
-    gen_batch: int = 256
+    gen_batch: int = 256  # prompts per HF generate batch, or the engine's running requests
     seed: int = 0
+    generator: str = "hf"  # "hf": Hugging Face generate in padded batches; "engine": our serving engine
 
     @classmethod
     def from_dict(cls, raw: dict) -> "DataRecipe":
@@ -58,6 +59,8 @@ class DataRecipe:
             raise ValueError(f"data recipe answers: fractions must be > 0 and sum to at most 1 (got {total})")
         if any(a.temperature < 0 or not 0 < a.top_p <= 1 for a in answers):
             raise ValueError("data recipe answers: temperature >= 0 and 0 < top_p <= 1")
+        if raw.get("generator", "hf") not in ("hf", "engine"):
+            raise ValueError(f"data recipe generator must be 'hf' or 'engine', got {raw['generator']!r}")
         return cls(**{**raw, "answers": answers})
 
 
@@ -121,19 +124,21 @@ def prepare_data(
         n = round(a.fraction * len(train))
         chunk, start = train[start : start + n], start + n
         before = len(rows)
-        rows += generate_responses(
-            target.model,
-            target.tokenizer,
-            [p.messages for p in chunk],
-            recipe.gen_batch,
-            recipe.max_new_tokens,
-            a.temperature,
-            a.top_p,
-            a.seed,
+        kw = dict(
+            max_new_tokens=recipe.max_new_tokens,
+            temperature=a.temperature,
+            top_p=a.top_p,
+            seed=a.seed,
             domains=[p.domain for p in chunk],
             max_prompt_tokens=recipe.max_prompt_tokens,
             deadline=deadline,
         )
+        if recipe.generator == "engine":
+            rows += engine_responses(target, [p.messages for p in chunk], recipe.gen_batch, **kw)
+        else:
+            rows += generate_responses(
+                target.model, target.tokenizer, [p.messages for p in chunk], recipe.gen_batch, **kw
+            )
         passes.append({**dataclasses.asdict(a), "prompts": len(chunk), "sequences": len(rows) - before})
     TokenDataset(rows).save(data_path)
     held = heldout_rows(target.tokenizer, ps.heldout, recipe.max_prompt_tokens)
