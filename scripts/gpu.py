@@ -367,7 +367,8 @@ def stage_recipe(args) -> None:
         tc = _recipe_config(args, False, None)
         target = load_target(folder, "bfloat16", args.recipe_device)
         budget = args.gen_seconds or None
-        report = prepare_data(DataRecipe.from_dict(tc.prepare), target, tc.data, tc.heldout_path(), budget)
+        prep = tc.prepare | ({"generator": args.generator} if args.generator else {})  # to time hf against engine
+        report = prepare_data(DataRecipe.from_dict(prep), target, tc.data, tc.heldout_path(), budget)
         log(f"data: {report['sequences']} sequences, {report['tokens']} tokens, {report['generation_seconds']:.0f}s")
         shutil.copy(work / "data_report.json", OUT / "data_report.json")
         _save_rows_in_parts(TokenDataset.load(tc.data).rows, "data")
@@ -1387,6 +1388,7 @@ def main() -> None:
     )
     ap.add_argument("--recipe", default="models/smollm2-135m-dflash2/recipe.json", help="recipe: the train config")
     ap.add_argument("--gen-seconds", type=float, default=0, help="recipe: time budget of the answers (0: none)")
+    ap.add_argument("--generator", default=None, help="recipe --phase data: hf or engine (default: the recipe's)")
     ap.add_argument("--recipe-device", default="cuda", help="recipe: cpu for a dry run")
     ap.add_argument("--recipe-prompts", default="work/recipe", help="recipe: folder of its prompt files")
     ap.add_argument("--phase", choices=["data", "train"], default="data", help="recipe: which call this is")
