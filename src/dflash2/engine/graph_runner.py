@@ -583,8 +583,6 @@ class GraphModelRunner:
         idx, B, kv_len = self._load(reqs, sampling)
         greedy = sampling is None
         if w > 1:
-            if not all(r.speculate for r in reqs):
-                raise ValueError("a request that does not draft can only run width 1")
             self._graph("draft", B, greedy, kv_len)[0]()
         t1 = time.perf_counter()
         # no request of the batch drafts: the target alone (the occupied slots outside the batch are

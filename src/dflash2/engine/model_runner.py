@@ -119,8 +119,6 @@ class ModelRunner:
         t0 = time.perf_counter()
         anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=self.target.device)
         if (width or self.w) > 1:
-            if not all(r.speculate for r in reqs):
-                raise ValueError("a request that does not draft can only run width 1")
             drafts, q_draft = self.propose(reqs, anchors, sampling, width or self.w)
         else:
             drafts, q_draft = anchors[:, None][:, :0], None

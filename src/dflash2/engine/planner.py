@@ -179,9 +179,7 @@ class Planner:
     def expected_by_width(self, rids: list[str]) -> np.ndarray:
         """``[W]``: expected committed tokens of one step at widths ``1 .. W`` (accepted drafts + the
         emitted token), summed over ``rids``."""
-        reach = np.cumprod(self.counts.rates(rids), axis=1)  # P(draft i accepted)
-        ones = np.ones((len(rids), 1))
-        return np.concatenate([ones, 1 + np.cumsum(reach, axis=1)], axis=1)[:, : self.width].sum(0)
+        return _tokens_by_width(self.counts.rates(rids))[:, : self.width].sum(0)
 
     def expected_tokens(self, rids: list[str], width: int) -> float:
         return float(self.expected_by_width(rids)[width - 1])
@@ -228,8 +226,7 @@ class Planner:
         cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {W}) if w > 1}
         if plain is None or cost[W] is None:
             return True
-        reach = np.cumprod(self.counts.prior_rates())
-        tokens = np.concatenate([[1.0], 1 + np.cumsum(reach)])
+        tokens = _tokens_by_width(self.counts.prior_rates()[None])[0]
         return bool(max(tokens[w - 1] / c for w, c in cost.items() if c is not None) >= 1 / plain)
 
     def observe_plain(self, bucket: int, seconds: float) -> None:
@@ -277,6 +274,13 @@ class Planner:
             "prior_rates": [round(float(x), 3) for x in self.counts.prior_rates()],
             "steps": self.steps,
         }
+
+
+def _tokens_by_width(rates: np.ndarray) -> np.ndarray:
+    """``[n, P]`` conditional acceptance per draft position -> ``[n, P + 1]`` expected committed tokens
+    of a step at widths ``1 .. P + 1`` (``1 + sum_j prod_{i <= j} rate_i``)."""
+    reach = np.cumprod(rates, axis=1)  # P(draft i accepted)
+    return np.concatenate([np.ones((len(rates), 1)), 1 + np.cumsum(reach, axis=1)], axis=1)
 
 
 def _cache_dir() -> Path:

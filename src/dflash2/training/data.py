@@ -74,6 +74,18 @@ def render(tokenizer, prompt: str | list[dict]) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
+def _encoded(tokenizer, prompts, max_prompt_tokens: int | None) -> tuple[list[list[int]], list[int]]:
+    """Every prompt through the chat template, and the indices of those within ``max_prompt_tokens``."""
+    encoded = [render(tokenizer, p) for p in prompts]
+    keep = [i for i, ids in enumerate(encoded) if max_prompt_tokens is None or len(ids) <= max_prompt_tokens]
+    return encoded, keep
+
+
+def _answer_row(prompt_ids: list[int], answer: list[int], domain: str | None) -> dict:
+    row = {"ids": torch.tensor(prompt_ids + answer, dtype=torch.int32), "prompt_len": len(prompt_ids)}
+    return row if domain is None else row | {"domain": domain}
+
+
 @torch.no_grad()
 def generate_responses(
     model,
@@ -98,8 +110,7 @@ def generate_responses(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = model.generation_config.eos_token_id
     rows = []
-    encoded = [render(tokenizer, p) for p in prompts]
-    keep = [i for i in range(len(encoded)) if max_prompt_tokens is None or len(encoded[i]) <= max_prompt_tokens]
+    encoded, keep = _encoded(tokenizer, prompts, max_prompt_tokens)
     order = sorted(keep, key=lambda i: len(encoded[i]))  # similar lengths per batch
     starts = list(range(0, len(order), batch_size))
     random.Random(seed).shuffle(starts)  # batches of every length, so a deadline cuts no one length off
@@ -125,10 +136,7 @@ def generate_responses(
         for r, i in enumerate(idx):
             resp = out[r].tolist()
             cut = next((j + 1 for j, t in enumerate(resp) if t in eos_set), len(resp))
-            row = {"ids": torch.tensor(encoded[i] + resp[:cut], dtype=torch.int32), "prompt_len": len(encoded[i])}
-            if domains is not None:
-                row["domain"] = domains[i]
-            rows.append(row)
+            rows.append(_answer_row(encoded[i], resp[:cut], None if domains is None else domains[i]))
     return rows
 
 
@@ -156,8 +164,7 @@ def engine_responses(
     from ..engine.request import Request
     from ..sampling import SamplingParams
 
-    encoded = [render(target.tokenizer, p) for p in prompts]
-    keep = [i for i in range(len(encoded)) if max_prompt_tokens is None or len(encoded[i]) <= max_prompt_tokens]
+    encoded, keep = _encoded(target.tokenizer, prompts, max_prompt_tokens)
     longest = max((len(encoded[i]) for i in keep), default=1)
     eng = LLMEngine(
         target,
@@ -190,10 +197,7 @@ def engine_responses(
     for i, r in started:
         if r.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"answering prompt {i} failed: {r.error or r.finish_reason}")
-        row = {"ids": torch.tensor(encoded[i] + r.output_ids, dtype=torch.int32), "prompt_len": len(encoded[i])}
-        if domains is not None:
-            row["domain"] = domains[i]
-        rows.append(row)
+        rows.append(_answer_row(encoded[i], r.output_ids, None if domains is None else domains[i]))
     return rows
 
 
