@@ -351,6 +351,32 @@ def _wait(reqs, timeout=120):
         time.sleep(0.01)
 
 
+def test_first_tokens_of_one_prefill_fail_alone(llama, monkeypatch):
+    """Prompts prefilled in one call draw their first tokens in one call; if it raises, they are
+    drawn one by one, so only the request whose draw fails ends in error."""
+    ref = _req([5, 6, 7, 8])
+    eng = _engine(llama)
+    eng.add_request(ref)
+    eng.run_until_done()
+    real = engine_mod.first_tokens
+    sizes = []
+
+    def poisoned(logits, samplings, gens, stops):
+        sizes.append(len(samplings))
+        if any(s.max_new_tokens == 7 for s in samplings):
+            raise RuntimeError("poisoned row")
+        return real(logits, samplings, gens, stops)
+
+    monkeypatch.setattr(engine_mod, "first_tokens", poisoned)
+    pair = [_req([5, 6, 7, 8], n=7), _req([5, 6, 7, 8]), _req([9, 6, 7, 8])]
+    for r in pair:
+        eng.add_request(r)
+    eng.run_until_done()
+    assert sizes[0] == 3, sizes  # one call for the three
+    assert pair[0].finish_reason == "error" and "poisoned" in pair[0].error
+    assert pair[1].output_ids == ref.output_ids and pair[2].finish_reason in ("stop", "length")
+
+
 def test_engine_loop_survives_failing_steps(llama, monkeypatch):
     eng = _engine(llama)
     eng.start()
@@ -360,7 +386,7 @@ def test_engine_loop_survives_failing_steps(llama, monkeypatch):
         _wait([ok])
         ref = list(ok.output_ids)
         # 1. the first-token sampling of one prefill raises (as a tensor overflow did)
-        real = engine_mod.first_token
+        real = engine_mod.first_tokens
         calls = {"n": 0}
 
         def once(*a, **k):
@@ -369,7 +395,7 @@ def test_engine_loop_survives_failing_steps(llama, monkeypatch):
                 raise RuntimeError("value cannot be converted to type float without overflow")
             return real(*a, **k)
 
-        monkeypatch.setattr(engine_mod, "first_token", once)
+        monkeypatch.setattr(engine_mod, "first_tokens", once)
         bad, good = _req([5, 6, 7, 8]), _req([5, 6, 7, 8])
         eng.add_request(bad)
         _wait([bad])

@@ -4,6 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from dflash2.sampling import SamplingParams
 from dflash2.verification import block_verify, greedy_verify, probs_from_logits, sample_from_probs, token_level_verify
 from dflash2.verification.verifiers import _assemble, _first_false
 
@@ -205,3 +206,29 @@ def test_a_block_of_no_drafts_samples_the_target(verify):
     counts = torch.bincount(res.tokens[:, 0], minlength=V).double()
     expected = p_target[0, 0].double() / p_target[0, 0].double().sum() * B
     assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-4
+
+
+def test_first_tokens_of_a_batch_equal_one_by_one():
+    """Rows with every kind of sampling (greedy, T=1, top-k, top-p, min-p, stop ids barred by
+    min_tokens) drawn together give the tokens each draws alone from the same seed."""
+    from dflash2.engine.steps import first_token, first_tokens, make_generator
+
+    g = torch.Generator().manual_seed(3)
+    V = 3000
+    logits = torch.randn(8, V, generator=g) * torch.linspace(0.5, 4, 8)[:, None]
+    samplings = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=20),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0, top_p=0.5, min_p=0.1),
+        SamplingParams(temperature=1.3, top_k=2000, top_p=0.99),
+        SamplingParams(temperature=1.0, min_tokens=3),
+        SamplingParams(),
+    ]
+    stops = [None] * 6 + [[int(logits[6].argmax()), 7], [int(logits[7].argmax())]]
+    for seed in range(20):
+        got = first_tokens(logits, samplings, [make_generator(seed + i) for i in range(8)], stops)
+        one = [first_token(logits[i], s, make_generator(seed + i), stops[i]) for i, s in enumerate(samplings)]
+        assert got == one
+        assert got[0] == int(logits[0].argmax()) and got[6] not in stops[6] and got[7] != stops[7][0]

@@ -33,7 +33,7 @@ from .steps import (
     GenerationResult,
     Runner,
     eos_ids,
-    first_token,
+    first_tokens,
     make_generator,
     stop_ids,
     stop_reason,
@@ -460,6 +460,7 @@ class LLMEngine:
         except Exception:
             log.exception("batched prefill failed; prefilling one request at a time")
             results = None
+        done: list[tuple[Request, torch.Tensor]] = []  # new requests whose prompt is now in
         for i, (req, n) in enumerate(chunks):
             try:
                 logits = results[i] if results is not None else self.runner.prefill(req, n)
@@ -467,19 +468,45 @@ class LLMEngine:
                     continue
                 self.prefilling.remove(req)
                 if not req.output_ids:  # a new request: its first token comes from the prefill
-                    assert req.generator is not None
-                    stops = stop_ids(req.sampling, self.eos) if req.sampling.min_tokens > 0 else None
-                    tok = first_token(logits, req.sampling, req.generator, stops)
-                    if req.sampling.logprobs is not None:
-                        self._record_logprobs(req, logits.view(1, -1), [tok])
-                    req.first_token_at = time.perf_counter()
-                    self.stats.prompt_tokens += len(req.prompt_ids)
-                    self.stats.ttft.observe(req.first_token_at - req.arrival)
-                    self._append(req, [tok])
+                    done.append((req, logits))
             except Exception as e:
-                log.exception("prefill failed")
-                with self.lock:
-                    self._finish(req, "error", f"prefill failed: {type(e).__name__}: {e}")
+                self._prefill_failed(req, e)
+        if done:
+            self._first_tokens(done)
+
+    def _first_tokens(self, done: list[tuple[Request, torch.Tensor]]) -> None:
+        """Each new request's first token, from its prompt's last logits, all in one
+        :func:`first_tokens` call (if that fails, one request at a time, each failing alone)."""
+        reqs = [r for r, _ in done]
+        try:
+            stops = [stop_ids(r.sampling, self.eos) if r.sampling.min_tokens > 0 else None for r in reqs]
+            rows = torch.stack([lg.reshape(-1) for _, lg in done])
+            gens = [r.generator for r in reqs]
+            if any(g is None for g in gens):
+                raise RuntimeError("a request reached prefill without its generator")
+            toks = first_tokens(rows, [r.sampling for r in reqs], gens, stops)  # type: ignore[arg-type]
+        except Exception as e:
+            if len(done) == 1:
+                return self._prefill_failed(reqs[0], e)
+            log.exception("batched first tokens failed; one request at a time")
+            for one in done:
+                self._first_tokens([one])
+            return
+        for (req, logits), tok in zip(done, toks):
+            try:
+                if req.sampling.logprobs is not None:
+                    self._record_logprobs(req, logits.view(1, -1), [tok])
+                req.first_token_at = time.perf_counter()
+                self.stats.prompt_tokens += len(req.prompt_ids)
+                self.stats.ttft.observe(req.first_token_at - req.arrival)
+                self._append(req, [tok])
+            except Exception as e:
+                self._prefill_failed(req, e)
+
+    def _prefill_failed(self, req: Request, e: Exception) -> None:
+        log.exception("prefill failed")
+        with self.lock:
+            self._finish(req, "error", f"prefill failed: {type(e).__name__}: {e}")
 
     @staticmethod
     def _record_logprobs(req: Request, logits: torch.Tensor, tokens: list[int]) -> None:
