@@ -178,28 +178,40 @@ def test_paged_slots_move_tables_not_data(llama):
     assert torch.equal(runner.static.k_cache[:, pages[2][0], :, :4], k_last)  # nothing copied
 
 
-def test_padded_prefill_equals_the_eager_prefill(llama):
-    """A request's first chunk, prefilled alone, is padded to a bucket (the function a CUDA graph replays
-    on the GPU): its last logits are the target's, and the K/V and draft latents of its real rows equal
-    the unpadded eager prefill's."""
+@pytest.mark.parametrize("lengths", [(40,), (40, 17, 5)])
+def test_padded_prefill_equals_the_eager_prefill(llama, lengths):
+    """New requests' first chunks, prefilled alone or together, are padded to a (rows, length) bucket
+    (the function a CUDA graph replays on the GPU; three rows take the 4-row bucket, one of them
+    padding on the scratch page): each last logits row is the target's, and the K/V and draft
+    latents of every real row equal the unpadded eager prefill's (one request does not draft)."""
     t, d = llama
-    prompt = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
     out = {}
     for padded in (True, False):
-        runner = GraphModelRunner(t, d, 5, num_slots=2, max_len=130, cuda_graph=False, page_size=64, num_pages=4)
+        runner = GraphModelRunner(t, d, 5, num_slots=4, max_len=130, cuda_graph=False, page_size=64, num_pages=8)
         if not padded:
             runner.prefill_buckets = ()
         assert runner.prefill_buckets == ((32, 64, 128) if padded else ())
-        r = Request(prompt, SamplingParams())
-        runner.kv.grow(r, 45)
-        logits = runner.prefill(r)
-        page = r.block_table[0]
-        out[padded] = (logits, runner.static.k_cache[:, page, :, :40].clone(), runner.lat[:, page, :40].clone())
-    with torch.no_grad():
-        ref = t.model(torch.tensor([prompt])).logits[0, -1]
-    torch.testing.assert_close(out[True][0], ref, atol=1e-4, rtol=1e-4)
-    for a, b in zip(out[True], out[False]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        reqs = [Request(x, SamplingParams()) for x in prompts]
+        reqs[-1].speculate = len(reqs) == 1  # the last of several does not draft
+        for r in reqs:
+            runner.kv.grow(r, len(r.prompt_ids) + 5)
+        logits = (
+            runner.prefill_batch([(r, len(r.prompt_ids)) for r in reqs]) if len(reqs) > 1 else [runner.prefill(reqs[0])]
+        )
+        rows = []
+        for r, lg in zip(reqs, logits):
+            page, n = r.block_table[0], len(r.prompt_ids)
+            lat = runner.lat[:, page, :n].clone() if r.speculate else None
+            rows.append((lg, runner.static.k_cache[:, page, :, :n].clone(), lat))
+        out[padded] = rows
+    for x, (got, ref) in zip(prompts, zip(out[True], out[False])):
+        with torch.no_grad():
+            torch.testing.assert_close(got[0], t.model(torch.tensor([x])).logits[0, -1], atol=1e-4, rtol=1e-4)
+        for a, b in zip(got, ref):
+            if b is not None:
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("runner", ["paged", "static"])

@@ -315,6 +315,71 @@ def test_speculate_new_requests_only_where_drafting_pays():
     assert sched.speculate_new(8, 8) and not sched.speculate_new(9, 12)
 
 
+def test_retire_only_after_costs_are_measured_and_drafting_cannot_pay():
+    """Drafting requests stop for good only in auto, after probe_every steps, where the best drafting
+    width falls short of the target alone by more than the hysteresis; never while it pays."""
+    p = Planner(W, PlannerConfig(mode="auto", probe_every=4))
+    p.costs[(4, W)], p.costs[(4, 1)] = 0.050, 0.010  # prior 0.9: 4.1 tokens in 50 ms against 1 in 10
+    assert not p.retire(4)  # no steps yet
+    for _ in range(4):
+        p.observe(["a"], [0], 1, 4, 0.010)
+    assert p.retire(4)
+    p.costs[(4, W)] = 0.030  # 4.1 in 30 ms: drafting pays
+    assert not p.retire(4)
+    p.costs[(4, W)] = 0.041 / 0.98  # within the hysteresis of break-even: keep drafting
+    assert not p.retire(4)
+    off = Planner(W, PlannerConfig(mode="off", probe_every=4))
+    off.costs = dict(p.costs)
+    off.steps = 10
+    assert not off.retire(4)
+
+
+@pytest.mark.parametrize("runner", ["paged", "static"])
+def test_drafting_requests_retire_when_drafting_stops_paying(llama, runner, monkeypatch):
+    """Three requests draft from the cold start; then their steps are measured to cost 5x the target
+    alone's: after probe_every steps they stop drafting for good (no draft context, no drafter call,
+    width 1, lookahead 1, counted in the stats and /metrics' counter), and the output is still the
+    target's greedy one."""
+    t, d = llama
+    eng = LLMEngine(
+        t,
+        d,
+        EngineConfig(
+            max_running_requests=4, num_draft_tokens=W, context_length=128, runner=runner, speculative_planner="auto"
+        ),
+    )
+    eng.planner.cfg = PlannerConfig(mode="auto", cost_decay=0.999, probe_every=4)
+    prompts = [torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(3)]
+    reqs = [Request(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in prompts]
+    for r in reqs:
+        eng.add_request(r)
+    eng.step()
+    assert all(r.speculate for r in reqs)
+    for B in range(1, 5):
+        eng.planner.costs[(B, W)], eng.planner.costs[(B, 1)] = 0.050, 0.010
+    calls = {"n": 0}
+    real = DFlash2DraftModel.forward
+
+    def counted(self, *a, **k):
+        calls["n"] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(DFlash2DraftModel, "forward", counted)
+    for _ in range(6):
+        eng.step()
+    assert not any(r.speculate for r in reqs) and eng.stats.requests_retired == 3
+    assert all(r.draft_cache is None for r in reqs) and eng.scheduler.lookahead(reqs[0]) == 1
+    from dflash2.server.metrics import render_metrics
+
+    assert "dflash2_spec_requests_retired_total 3.0" in render_metrics(eng)
+    calls["n"] = 0
+    before = [(r.width_sum, r.verify_steps) for r in reqs]
+    eng.run_until_done()
+    assert calls["n"] == 0 and all(r.width_sum - w == r.verify_steps - n for r, (w, n) in zip(reqs, before))
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == _argmax_continuation(t, p, 40)
+
+
 @pytest.mark.parametrize("runner", ["paged", "static"])
 def test_requests_admitted_where_drafting_cannot_pay_run_the_target_alone(llama, runner, monkeypatch):
     """The first two requests arrive before anything is measured and draft; then drafting is measured
@@ -381,3 +446,26 @@ def test_requests_admitted_where_drafting_cannot_pay_run_the_target_alone(llama,
     assert all(r.width_sum == r.verify_steps for r in reqs[2:])  # width 1 whenever they ran
     for p, r in zip(prompts, reqs):
         assert r.output_ids == _argmax_continuation(t, p, r.sampling.max_new_tokens)  # EOS ignored
+
+
+def test_a_bad_streak_does_not_pin_width_one_until_the_probe():
+    """Every other step accepts all drafts (drafting pays: 3 tokens in 4 ms against 1 in 2.3 ms),
+    then fifteen steps reject the first draft and the planner goes to width 1. With no drafts to see,
+    the request's estimate drifts back to every request's, so it drafts again well before the probe;
+    and the prior of 0.9 fades as drafts are seen (kept, it would hold the rate at 0.61, not 0.5)."""
+    p = Planner(W, PlannerConfig(mode="auto"))
+    p.costs[(1, W)], p.costs[(1, 1)] = 0.004, 0.0023
+    for i in range(200):
+        p.observe(["a"], [(W - 1) * (i % 2)], W, 1, 0.004)
+    assert p.prior_alpha() == pytest.approx(0.5, abs=0.02)
+    p.observe(["a"], [0], 1, 1, 0.0023)  # width 1's probe, done
+    for _ in range(15):
+        p.observe(["a"], [0], W, 1, 0.004)
+    assert p.choose(["a"], 1) == 1
+    back = None
+    for step in range(p.cfg.probe_every - 2):
+        p.observe(["a"], [0], 1, 1, 0.0023)
+        if p.choose(["a"], 1) == W:
+            back = step
+            break
+    assert back is not None and back < p.cfg.probe_every // 2, back

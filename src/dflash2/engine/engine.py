@@ -148,6 +148,7 @@ class EngineStats:
     accepted_by_position: list[int] = field(default_factory=list)
     preemptions: int = 0
     requests_not_drafting: int = 0  # admitted without drafting (Planner.speculate_new)
+    requests_retired: int = 0  # stopped drafting while running (Planner.retire)
     steps: int = 0  # batched steps
     draft_s: float = 0.0  # time in draft forward + selector
     verify_s: float = 0.0  # time in the target verify forward
@@ -396,6 +397,11 @@ class LLMEngine:
         # all greedy (the usual batch): argmax acceptance needs no distributions, uniforms or parameters
         greedy = all(r.sampling.greedy for r in reqs)
         rids, bucket = [r.request_id for r in reqs], self.runner.bucket(len(reqs))
+        if self.draft is not None and any(r.speculate for r in reqs) and self.planner.retire(bucket):
+            for r in reqs:  # drafting cannot pay at this load: the batch's drafting requests stop for good
+                if r.speculate:
+                    r.speculate, r.draft_cache = False, None
+                    self.stats.requests_retired += 1
         drafting = self.draft is not None and all(r.speculate for r in reqs)
         width = self.planner.choose(rids, bucket) if drafting else 1  # a request that does not draft: width 1
         sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device)

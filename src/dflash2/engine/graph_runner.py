@@ -46,6 +46,11 @@ KV_BUCKETS_EAGER = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # 30-layer forward was ~2,400 kernel launches, 20-50 ms on the H200 for any length, against 2-6 ms
 # for a decode step (docs/benchmarks.md, sixteenth session).
 PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
+# Several new requests' first chunks prefilled in one call (admission after a wave of requests ends)
+# are padded to a rows bucket too, up to PREFILL_GRAPH_TOKENS padded tokens a graph: eager, such a
+# call of 14 x 150 tokens cost 60-75 ms on the H200 (docs/benchmarks.md, seventeenth session).
+PREFILL_ROWS = (1, 2, 4, 8, 16)
+PREFILL_GRAPH_TOKENS = 4096
 
 
 class Replay:
@@ -206,14 +211,16 @@ class GraphModelRunner:
             )
             self.ctx_pos = torch.arange(max_len, **lng)[None]
         self.pool = torch.cuda.graph_pool_handle() if self.use_graph else None
-        # one request's first prompt chunk, padded to a bucket (paged pools: padded rows land past the
-        # prompt, or on the scratch page, as in prefill_batch): ids, its last real row, its table
+        # new requests' first prompt chunks, padded to (rows, length) buckets (paged pools: padded
+        # positions land past the prompt or on the scratch page, as in prefill_batch; padded rows
+        # on the scratch page): ids, each row's last real position, its table
         self.prefill_buckets = tuple(b for b in PREFILL_BUCKETS if b <= max_len) if self.paged else ()
-        L = max(self.prefill_buckets, default=0)
-        self.pf_ids = torch.zeros(1, L, **lng)
-        self.pf_last = torch.zeros(1, **lng)
-        self.pf_table = self.tables[:1].clone()
-        self.prefill_graphs: dict[tuple[int, bool], tuple[Replay, dict]] = {}  # (bucket, latents)
+        self.prefill_rows = tuple(r for r in PREFILL_ROWS if r <= num_slots) if self.paged else ()
+        L, R = max(self.prefill_buckets, default=0), max(self.prefill_rows, default=0)
+        self.pf_ids = torch.zeros(R, L, **lng)
+        self.pf_last = torch.zeros(R, **lng)
+        self.pf_table = self.tables[:R].clone()
+        self.prefill_graphs: dict[tuple[int, int, bool], tuple[Replay, dict]] = {}  # (rows, length, latents)
         # a batch of requests that do not draft runs the target alone: width 1 without the latent writes
         self.plain_graphs = draft is not None and 1 in self.verify_widths
         self.graphs: dict[tuple[str, int, bool, int, int], tuple[Replay, dict]] = {}  # kind, B, greedy, kv_len, w
@@ -245,9 +252,9 @@ class GraphModelRunner:
         self.prefill_graphed = self.use_graph
         if self.use_graph:
             try:
-                for L in reversed(self.prefill_buckets):
+                for R, L in reversed(self._prefill_shapes()):
                     for latents in (True, False) if draft is not None else (False,):
-                        self._prefill_graph(L, latents)
+                        self._prefill_graph(R, L, latents)
             except RuntimeError as e:
                 warnings.warn(f"CUDA graph capture of prefill failed ({type(e).__name__}: {e}); prefill runs eagerly")
                 self.prefill_graphed, self.prefill_graphs = False, {}
@@ -360,29 +367,69 @@ class GraphModelRunner:
                 self.graphs[key] = (Replay(fn, self.graphed[greedy], self.pool), out)
         return self.graphs[key]
 
-    def _prefill_graph(self, L: int, latents: bool) -> tuple[Replay, dict]:
-        key = (L, latents)
+    def _prefill_shapes(self) -> list[tuple[int, int]]:
+        """The (rows, length) buckets of padded first chunks, smallest first."""
+        return [
+            (R, L) for L in self.prefill_buckets for R in self.prefill_rows if R == 1 or R * L <= PREFILL_GRAPH_TOKENS
+        ]
+
+    def _prefill_graph(self, R: int, L: int, latents: bool) -> tuple[Replay, dict]:
+        key = (R, L, latents)
         if key not in self.prefill_graphs:
             out: dict = {}
             with torch.no_grad():
                 self.prefill_graphs[key] = (
-                    Replay(partial(self._prefill_fn, L, latents, out), self.prefill_graphed, self.pool),
+                    Replay(partial(self._prefill_fn, R, L, latents, out), self.prefill_graphed, self.pool),
                     out,
                 )
         return self.prefill_graphs[key]
 
-    def _prefill_fn(self, L: int, latents: bool, out: dict) -> None:
-        """One request's first chunk, ``pf_ids[:, :L]`` from position 0 through ``pf_table``: K/V (and,
-        if it drafts, the draft's latents) of every row, padded ones past the prompt included (never
-        read: a query reads keys up to its own position, each written before it is read), and the
-        logits of row ``pf_last``."""
-        zero = self.pf_last.new_zeros(1)
-        logits, feats = self.static.forward(self.pf_ids[:, :L], zero, kv_len=L, tables=self.pf_table, last=self.pf_last)
+    def _prefill_fn(self, R: int, L: int, latents: bool, out: dict) -> None:
+        """``R`` requests' first chunks, ``pf_ids[:R, :L]`` from position 0 through ``pf_table``: K/V
+        (and the draft's latents) of every row, padded ones included (never read: a query reads keys
+        up to its own position, each written before it is read), and each row's logits at ``pf_last``."""
+        zero = self.pf_last.new_zeros(R)
+        table = self.pf_table[:R]
+        logits, feats = self.static.forward(self.pf_ids[:R, :L], zero, kv_len=L, tables=table, last=self.pf_last[:R])
         if latents:
-            pos = self.ctx_pos[0, :L]
-            page, off = self.pf_table[0, pos // self.page].long(), pos % self.page
-            self.lat[:, page, off] = self.draft.context_rows(feats[0], pos).to(self.lat.dtype)
+            pos = self.ctx_pos[:, :L].expand(R, L)
+            page, off = table.gather(1, pos // self.page).long(), pos % self.page
+            self.lat[:, page, off] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
         out["logits"] = logits
+
+    def _prefill_padded(self, chunks: list[tuple[Request, int]]) -> list[torch.Tensor | None] | None:
+        """Requests' first chunks through a padded (rows, length) bucket's graph; None where none
+        fits (a later chunk, prompt logprobs, too many rows or tokens): the caller runs them eagerly."""
+        n = max(k for _, k in chunks)
+        shape = next(((R, L) for R, L in self._prefill_shapes() if R >= len(chunks) and L >= n), None)
+        if shape is None or any(r.prefill_pos or (r.sampling.prompt_logprobs is not None and not r.output_ids)
+                                for r, _ in chunks):  # fmt: skip
+            return None
+        R, L = shape
+        dev = self.target.device
+        rows = []
+        for i, (req, k) in enumerate(chunks):
+            if req.slot is None:
+                req.slot = len(self.occupant)
+                self.occupant.append(req)
+            self._sync_table(req)
+            self.start[req.slot] = len(prefill_ids(req))
+            rows.append(prefill_ids(req)[:k] + [0] * (L - k))
+        real = len(chunks)
+        self.pf_ids[:real, :L] = torch.tensor(rows, device=dev)
+        self.pf_last[:real] = torch.tensor([k - 1 for _, k in chunks], device=dev)
+        self.pf_table[:real] = self.tables[torch.tensor([r.slot for r, _ in chunks], device=dev)]
+        self.pf_last[real:R] = 0
+        self.pf_table[real:R] = self.static.scratch  # padded rows write to the scratch page only
+        replay, out = self._prefill_graph(R, L, self.draft is not None and any(r.speculate for r, _ in chunks))
+        replay()
+        res: list[torch.Tensor | None] = []
+        for b, (req, k) in enumerate(chunks):
+            req.prefill_pos = req.num_committed = k
+            assert req.slot is not None
+            self.stale.add(req.slot)
+            res.append(out["logits"][b, -1] if k == len(prefill_ids(req)) else None)
+        return res
 
     def _verify_kv(self, kv_len: int) -> int:
         """The prefix a verify graph is keyed by: the live kernel reads live keys whatever the prefix."""
@@ -446,6 +493,9 @@ class GraphModelRunner:
         the first chunk: a decode step meanwhile runs it as an idle row, whose writes land at
         ``start`` = the prompt's end, rows its own first verify overwrites."""
         ids, p, dev = prefill_ids(req), req.prefill_pos, self.target.device
+        chunk_len = min(max_tokens or len(ids), len(ids) - p)
+        if chunk_len and (padded := self._prefill_padded([(req, chunk_len)])) is not None:
+            return padded[0]
         if req.slot is None:  # its first chunk (or a retry of it after a failed batched prefill)
             req.slot = len(self.occupant)
             self.occupant.append(req)
@@ -456,16 +506,6 @@ class GraphModelRunner:
         chunk = ids[p : p + (max_tokens or len(ids))]
         table = self.tables[s : s + 1]
         every_row = req.sampling.prompt_logprobs is not None and not req.output_ids
-        if p == 0 and not every_row and chunk and len(chunk) <= max(self.prefill_buckets, default=0):
-            L = next(b for b in self.prefill_buckets if b >= len(chunk))  # padded, replayed (see PREFILL_BUCKETS)
-            self.pf_ids[0, : len(chunk)] = torch.tensor(chunk, device=dev)
-            self.pf_last.fill_(len(chunk) - 1)
-            self.pf_table.copy_(table)
-            replay, out = self._prefill_graph(L, self.draft is not None and req.speculate)
-            replay()
-            req.prefill_pos = req.num_committed = len(chunk)
-            self.stale.add(s)
-            return out["logits"][0, -1] if req.prefill_pos == len(ids) else None
         logits, feats = self.static.forward(
             torch.tensor(chunk, device=dev)[None],
             torch.full((1,), p, dtype=torch.long, device=dev),
@@ -507,6 +547,8 @@ class GraphModelRunner:
         batchable = self.paged and len(chunks) > 1
         if not batchable or any(r.prefill_pos + width > cap for r, _ in chunks):
             return [self.prefill(r, n) for r, n in chunks]  # a row near the end of its table goes alone
+        if (padded := self._prefill_padded(chunks)) is not None:  # first chunks: a graph's replay
+            return padded
         dev = self.target.device
         rows, starts, lens = [], [], []
         for req, n in chunks:

@@ -22,8 +22,12 @@ picks: every step is a complete speculative step at its width.
   draft context (no drafter work in its prefill or its steps, one token of KV lookahead). Width 1
   of a drafting request still writes its draft context (15% over the target alone's step on the
   H200 at 8-64 rows, docs/benchmarks.md), so per-step choices alone cannot reach the target's
-  speed under load; a batch of such requests runs the target alone (cost key width 0). Under
-  sustained load the drafting requests drain as they finish; when the load drops, new ones draft.
+  speed under load; a batch of such requests runs the target alone (cost key width 0). When the
+  load drops, new ones draft again.
+- Whether running requests stop drafting (:meth:`Planner.retire`): the requests admitted at the
+  cold start draft, and where drafting then turns out not to pay at the load (every request's
+  acceptance, the measured costs), the drafting requests of a batch stop for good rather than
+  drain as they finish.
 """
 
 from __future__ import annotations
@@ -95,7 +99,12 @@ class AcceptanceCounts:
         self.free: list[int] = []
         self.acc = np.zeros((0, positions))
         self.reached = np.zeros((0, positions))
-        self.total_acc, self.total_reached = np.zeros(positions), np.zeros(positions)
+        # every request's counts start as the prior's pseudo-drafts (10 x prior_weight reached), which
+        # decay with the rest: at first the prior, then what was seen. Why: kept for good, the prior's
+        # 0.9 held the H200's held-out first-draft rate at 0.60 against ~0.4 seen at one request
+        # (docs/benchmarks.md, seventeenth session), so drafting went on where it lost.
+        m = 10 * prior_weight
+        self.total_acc, self.total_reached = np.full(positions, prior * m), np.full(positions, float(m))
 
     def rows(self, rids: list[str]) -> np.ndarray:
         for rid in rids:
@@ -109,9 +118,9 @@ class AcceptanceCounts:
         return np.fromiter((self.row[r] for r in rids), dtype=np.int64, count=len(rids))
 
     def prior_rates(self) -> np.ndarray:
-        """Every request's rate per position, the prior weighing ``10 x prior_weight`` reached drafts."""
-        m = 10 * self.k
-        return (self.total_acc + self.prior * m) / (self.total_reached + m)
+        """Every request's rate per position (the prior until observed drafts outweigh it)."""
+        eps = 1e-6  # a position no longer reached keeps the prior
+        return (self.total_acc + self.prior * eps) / (self.total_reached + eps)
 
     def rates(self, rids: list[str]) -> np.ndarray:
         """``[len(rids), W-1]``: each request's conditional acceptance per position."""
@@ -130,6 +139,15 @@ class AcceptanceCounts:
         self.reached[r] = decay * self.reached[r] + reached
         self.total_acc = global_decay * self.total_acc + acc.sum(0)
         self.total_reached = global_decay * self.total_reached + reached.sum(0)
+
+    def age(self, rids: list[str], decay: float) -> None:
+        """A step that saw no drafts of these requests (width 1): their counts fade as if it had, so
+        each estimate drifts back toward every request's. Why: a request that lost a few drafts in a
+        row and went to width 1 kept its low estimate until the next probe, 32 steps on (on the H200
+        at one request, 21% of GSM8K steps drafted where drafting paid 1.26x)."""
+        r = self.rows(rids)
+        self.acc[r] *= decay
+        self.reached[r] *= decay
 
     def forget(self, rid: str) -> None:
         i = self.row.pop(rid, None)
@@ -222,12 +240,33 @@ class Planner:
             return next((w for b, w in cfg.schedule if n_running <= b), 1) > 1
         if cfg.mode == "off":
             return True
+        gain = self.drafting_gain(bucket)
+        return gain is None or gain >= 1
+
+    def drafting_gain(self, bucket: int) -> float | None:
+        """Expected tokens/s of the best drafting width at ``bucket`` (every request's acceptance per
+        position) over the target alone's (width 0 measured, else width 1); None before both costs
+        are known."""
         plain = self.costs.get((bucket, 0)) or self.cost(bucket, 1)
-        cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {W}) if w > 1}
-        if plain is None or cost[W] is None:
-            return True
+        cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {self.width}) if w > 1}
+        if plain is None or cost[self.width] is None:
+            return None
         tokens = _tokens_by_width(self.counts.prior_rates()[None])[0]
-        return bool(max(tokens[w - 1] / c for w, c in cost.items() if c is not None) >= 1 / plain)
+        return max(tokens[w - 1] / c for w, c in cost.items() if c is not None) * plain
+
+    def retire(self, bucket: int) -> bool:
+        """Whether the drafting requests of a batch at ``bucket`` stop drafting for good: auto only,
+        after ``probe_every`` steps (step costs measured; acceptance is the optimistic prior until
+        drafts are seen, so this errs toward drafting), where the best drafting width falls short of
+        the target alone by more than ``hysteresis``. Why: the requests admitted at
+        the cold start draft for their lifetime, and a drafting request's width 1 costs 15-18% over
+        the target alone; on the H200 at 32-64 requests that first wave held the planner at
+        0.55-0.85x of the target alone while it chose width 1 for every step (docs/benchmarks.md,
+        seventeenth session). One way: a request without a draft context cannot draft again."""
+        if not self.adapts or self.steps < self.cfg.probe_every:
+            return False
+        gain = self.drafting_gain(bucket)
+        return gain is not None and gain < 1 - self.cfg.hysteresis
 
     def observe_plain(self, bucket: int, seconds: float) -> None:
         """A step of requests that do not draft: the target alone's cost at ``bucket`` (width 0)."""
@@ -262,6 +301,8 @@ class Planner:
             self.ratio = self.costs[(bucket, 1)] / self.costs[(bucket, self.width)]
         if width > 1:
             self.counts.observe(rids, accepted, width - 1, self.cfg.decay, self.cfg.global_decay)
+        else:
+            self.counts.age(rids, self.cfg.decay)
 
     def forget(self, rid: str) -> None:
         self.counts.forget(rid)

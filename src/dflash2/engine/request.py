@@ -55,8 +55,9 @@ class Request:
     draft_s: float = 0.0  # its steps' draft and verify time (a batched step counts in full)
     verify_s: float = 0.0
     width_sum: int = 0  # verify widths of its steps, summed (the planner's choices)
-    # whether it drafts at all: decided once, at admission (Planner.speculate_new); a request that does
-    # not keeps no draft context and reserves one token of KV lookahead, not a block
+    # whether it drafts: decided at admission (Planner.speculate_new), and turned off for good when
+    # drafting stops paying (Planner.retire); a request that does not keeps no draft context and
+    # reserves one token of KV lookahead, not a block
     speculate: bool = True
 
     @property

@@ -9,9 +9,10 @@ Here each row finds its boundary instead. The kept set under "sorted descending,
 prefix. Its last token has value ``t*``, the smallest value ``x`` with ``mass(p > x) <= top_p`` and
 ``count(p > x) < top_k``. ``t*`` is found by a search over the bits of a float (positive floats
 order like their bit patterns), from (1 - top_p) / V up. Each pass over the row (it stays in L2)
-tests 4 thresholds at once, 2,048 entries a load: 12 passes where bisection took 32. On the H200,
-320 rows: 0.52 ms against 0.91 ms for the bisection and 2.3 ms for the sort (more thresholds a
-pass cost more than the passes they save; docs/benchmarks.md, seventeenth session). Of the tokens tied at
+tests 2 thresholds at once, 4,096 entries a load (16 warps): 18 passes where bisection took 32,
+each with more loads in flight. On the H200, 320 rows: 0.45 ms against 0.91 ms for the
+bisection and 2.3 ms for the sort (more thresholds a pass cost more than the passes they save;
+docs/benchmarks.md, seventeenth session). Of the tokens tied at
 ``t*``, the lowest ids are kept while the rule still holds. min-p is a plain threshold.
 
 Same keep rule as :func:`dflash2.sampling._drop`. Sums are in a different order than the
@@ -38,9 +39,9 @@ def truncate(
     k: torch.Tensor,
     tp: torch.Tensor,
     mp: torch.Tensor,
-    candidates: int = 4,
-    block: int = 2048,
-    num_warps: int = 8,
+    candidates: int = 2,
+    block: int = 4096,
+    num_warps: int = 16,
 ) -> torch.Tensor:
     """``probs [R, V]`` with what top-k / top-p / min-p drop zeroed (``k``, ``tp``, ``mp``: ``[R, 1]``),
     as :func:`dflash2.sampling.truncate_sorted`, where Triton runs (CUDA, or its interpreter).

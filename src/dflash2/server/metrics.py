@@ -74,6 +74,11 @@ class _EngineCollector:
             "Requests admitted without drafting (the planner: drafting could not pay at that load)",
             value=s.requests_not_drafting,
         )
+        yield CounterMetricFamily(
+            "dflash2_spec_requests_retired",
+            "Requests that stopped drafting while running (the planner: drafting stopped paying)",
+            value=s.requests_retired,
+        )
         tried = s.drafts_proposed
         yield GaugeMetricFamily(
             "dflash2_spec_observed_accept_rate",
