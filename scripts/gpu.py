@@ -770,7 +770,7 @@ def stage_engine(args) -> None:
             concs,
             args.graph_tokens,
             temp,
-            requests_per_slot=2,
+            requests_per_slot=args.requests_per_slot,
             rounds=args.rounds,
             adaptive=args.adaptive,
             attention_backends=tuple(args.attention_backends.split(",")),
@@ -1436,6 +1436,9 @@ def main() -> None:
     ap.add_argument("--no-speed", dest="speed", action="store_false", help="acceptance only")
     ap.add_argument("--speed-widths", default="5,8")
     ap.add_argument("--rounds", type=int, default=3, help="speed: rotated repeats per config (rows are noisy)")
+    ap.add_argument(
+        "--requests-per-slot", type=int, default=2, help="engine: requests per concurrency slot (more: less cold start)"
+    )
     ap.add_argument(
         "--prompt-sets", default="gsm8k", help="engine: gsm8k and/or heldout (carry work/recipe/heldout_prompts.jsonl)"
     )
