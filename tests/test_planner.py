@@ -309,7 +309,7 @@ def test_speculate_new_requests_only_where_drafting_pays():
     p.costs[(4, W)] = 0.030  # 4.1 in 30 ms: drafting pays
     assert p.speculate_new(4, 4)
     p.observe_plain(4, 0.005)  # the target alone measured cheaper than a drafting request's width 1
-    assert not p.speculate_new(4, 4)
+    assert p.speculate_new(4, 4) is False  # a Python bool: it reaches /generate's JSON meta
     assert Planner(W, PlannerConfig(mode="off")).speculate_new(64, 64) and not Planner(1).speculate_new(1, 1)
     sched = Planner(W, PlannerConfig(schedule=parse_schedule("8:5", W)))
     assert sched.speculate_new(8, 8) and not sched.speculate_new(9, 12)

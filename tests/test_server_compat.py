@@ -326,10 +326,11 @@ def test_n_parallel_samples(card):
         seed=11,
     )
     a = client.chat.completions.create(**kw)
-    b = client.chat.completions.create(**kw)
     texts = [c.message.content for c in sorted(a.choices, key=lambda c: c.index)]
-    assert len(texts) == 3 and texts == [c.message.content for c in sorted(b.choices, key=lambda c: c.index)]
-    assert len(set(texts)) > 1  # three samples, not one answer three times
+    assert len(texts) == 3 and len(set(texts)) > 1  # three samples, not one answer three times
+    # (this server runs the planner's default, auto: a seeded request is exactly distributed, but its tokens
+    # repeat only where the planner picks the same widths, so the repeat is asserted with the planner off,
+    # test_server.py::test_seeded_sampling_reproducible)
     # (sample j is seeded seed + j, but batched with its siblings its drafts differ from a lone request's,
     # most likely through the CPU drafter's per-call int8 activation scale: equal in distribution only)
     assert a.usage.prompt_tokens == client.chat.completions.create(**{**kw, "n": 1}).usage.prompt_tokens

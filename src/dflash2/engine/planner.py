@@ -241,7 +241,7 @@ class Planner:
         if cfg.mode == "off":
             return True
         gain = self.drafting_gain(bucket)
-        return gain is None or gain >= 1
+        return gain is None or bool(gain >= 1)
 
     def drafting_gain(self, bucket: int) -> float | None:
         """Expected tokens/s of the best drafting width at ``bucket`` (every request's acceptance per
@@ -252,7 +252,7 @@ class Planner:
         if plain is None or cost[self.width] is None:
             return None
         tokens = _tokens_by_width(self.counts.prior_rates()[None])[0]
-        return max(tokens[w - 1] / c for w, c in cost.items() if c is not None) * plain
+        return float(max(tokens[w - 1] / c for w, c in cost.items() if c is not None) * plain)
 
     def retire(self, bucket: int) -> bool:
         """Whether the drafting requests of a batch at ``bucket`` stop drafting for good: auto only,
@@ -266,7 +266,7 @@ class Planner:
         if not self.adapts or self.steps < self.cfg.probe_every:
             return False
         gain = self.drafting_gain(bucket)
-        return gain is not None and gain < 1 - self.cfg.hysteresis
+        return gain is not None and bool(gain < 1 - self.cfg.hysteresis)
 
     def observe_plain(self, bucket: int, seconds: float) -> None:
         """A step of requests that do not draft: the target alone's cost at ``bucket`` (width 0)."""
