@@ -49,6 +49,7 @@ PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
 # Several new requests' first chunks prefilled in one call (admission after a wave of requests ends)
 # are padded to a rows bucket too, up to PREFILL_GRAPH_TOKENS padded tokens a graph: eager, such a
 # call of 14 x 150 tokens cost 60-75 ms on the H200 (docs/benchmarks.md, seventeenth session).
+# Those graphs are captured at their first use, not at start-up (an engine is built per benchmark row).
 PREFILL_ROWS = (1, 2, 4, 8, 16)
 PREFILL_GRAPH_TOKENS = 4096
 
@@ -253,6 +254,8 @@ class GraphModelRunner:
         if self.use_graph:
             try:
                 for R, L in reversed(self._prefill_shapes()):
+                    if R > 1:  # several rows: captured at first use (~50 shapes x ~0.15 s each at start-up)
+                        continue
                     for latents in (True, False) if draft is not None else (False,):
                         self._prefill_graph(R, L, latents)
             except RuntimeError as e:
@@ -421,7 +424,12 @@ class GraphModelRunner:
         self.pf_table[:real] = self.tables[torch.tensor([r.slot for r, _ in chunks], device=dev)]
         self.pf_last[real:R] = 0
         self.pf_table[real:R] = self.static.scratch  # padded rows write to the scratch page only
-        replay, out = self._prefill_graph(R, L, self.draft is not None and any(r.speculate for r, _ in chunks))
+        try:  # (a shape of several rows is captured here, at its first use)
+            replay, out = self._prefill_graph(R, L, self.draft is not None and any(r.speculate for r, _ in chunks))
+        except RuntimeError as e:
+            warnings.warn(f"CUDA graph capture of a {R}-row prefill failed ({e}); rows of several prefill eagerly")
+            self.prefill_rows = (1,)
+            return None
         replay()
         res: list[torch.Tensor | None] = []
         for b, (req, k) in enumerate(chunks):
