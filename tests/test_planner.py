@@ -157,11 +157,8 @@ def llama():
     return t, random_draft(t, 3).draft
 
 
-@pytest.mark.parametrize("runner", ["paged", "static"])
-def test_width_1_runs_no_draft_forward(llama, runner, monkeypatch):
-    """Injected costs where drafting cannot pay: after the cold start the planner picks width 1 and
-    the draft forward is not called again."""
-    t, d = llama
+def _count_draft_forwards(monkeypatch) -> dict:
+    """``{"n": draft forwards since}``, counted through the draft model's forward."""
     calls = {"n": 0}
     real = DFlash2DraftModel.forward
 
@@ -170,6 +167,15 @@ def test_width_1_runs_no_draft_forward(llama, runner, monkeypatch):
         return real(self, *a, **k)
 
     monkeypatch.setattr(DFlash2DraftModel, "forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("runner", ["paged", "static"])
+def test_width_1_runs_no_draft_forward(llama, runner, monkeypatch):
+    """Injected costs where drafting cannot pay: after the cold start the planner picks width 1 and
+    the draft forward is not called again."""
+    t, d = llama
+    calls = _count_draft_forwards(monkeypatch)
     eng = LLMEngine(
         t,
         d,
@@ -357,14 +363,7 @@ def test_drafting_requests_retire_when_drafting_stops_paying(llama, runner, monk
     assert all(r.speculate for r in reqs)
     for B in range(1, 5):
         eng.planner.costs[(B, W)], eng.planner.costs[(B, 1)] = 0.050, 0.010
-    calls = {"n": 0}
-    real = DFlash2DraftModel.forward
-
-    def counted(self, *a, **k):
-        calls["n"] += 1
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(DFlash2DraftModel, "forward", counted)
+    calls = _count_draft_forwards(monkeypatch)
     for _ in range(6):
         eng.step()
     assert not any(r.speculate for r in reqs) and eng.stats.requests_retired == 3

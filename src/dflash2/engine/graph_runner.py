@@ -370,6 +370,24 @@ class GraphModelRunner:
                 self.graphs[key] = (Replay(fn, self.graphed[greedy], self.pool), out)
         return self.graphs[key]
 
+    def _seat(self, req: Request) -> int:
+        """The request's slot, taken at its first chunk (or a retry of it after a failed batched
+        prefill), with its table synced and its position at the prompt's end (a decode step meanwhile
+        runs it as an idle row, whose writes land there, rows its own first verify overwrites)."""
+        if req.slot is None:
+            req.slot = len(self.occupant)
+            self.occupant.append(req)
+        self._sync_table(req)
+        self.start[req.slot] = len(prefill_ids(req))
+        return req.slot
+
+    def _prefilled(self, req: Request, n: int, last: torch.Tensor) -> torch.Tensor | None:
+        """``n`` more prompt tokens are in: ``last`` (the chunk's last logits row) once all of them are."""
+        req.prefill_pos = req.num_committed = req.prefill_pos + n
+        assert req.slot is not None
+        self.stale.add(req.slot)
+        return last if req.prefill_pos == len(prefill_ids(req)) else None
+
     def _prefill_shapes(self) -> list[tuple[int, int]]:
         """The (rows, length) buckets of padded first chunks, smallest first."""
         return [
@@ -411,12 +429,8 @@ class GraphModelRunner:
         R, L = shape
         dev = self.target.device
         rows = []
-        for i, (req, k) in enumerate(chunks):
-            if req.slot is None:
-                req.slot = len(self.occupant)
-                self.occupant.append(req)
-            self._sync_table(req)
-            self.start[req.slot] = len(prefill_ids(req))
+        for req, k in chunks:
+            self._seat(req)
             rows.append(prefill_ids(req)[:k] + [0] * (L - k))
         real = len(chunks)
         self.pf_ids[:real, :L] = torch.tensor(rows, device=dev)
@@ -431,13 +445,7 @@ class GraphModelRunner:
             self.prefill_rows = (1,)
             return None
         replay()
-        res: list[torch.Tensor | None] = []
-        for b, (req, k) in enumerate(chunks):
-            req.prefill_pos = req.num_committed = k
-            assert req.slot is not None
-            self.stale.add(req.slot)
-            res.append(out["logits"][b, -1] if k == len(prefill_ids(req)) else None)
-        return res
+        return [self._prefilled(req, k, out["logits"][b, -1]) for b, (req, k) in enumerate(chunks)]
 
     def _verify_kv(self, kv_len: int) -> int:
         """The prefix a verify graph is keyed by: the live kernel reads live keys whatever the prefix."""
@@ -501,17 +509,10 @@ class GraphModelRunner:
         the first chunk: a decode step meanwhile runs it as an idle row, whose writes land at
         ``start`` = the prompt's end, rows its own first verify overwrites."""
         ids, p, dev = prefill_ids(req), req.prefill_pos, self.target.device
-        chunk_len = min(max_tokens or len(ids), len(ids) - p)
-        if chunk_len and (padded := self._prefill_padded([(req, chunk_len)])) is not None:
-            return padded[0]
-        if req.slot is None:  # its first chunk (or a retry of it after a failed batched prefill)
-            req.slot = len(self.occupant)
-            self.occupant.append(req)
-        s = req.slot
-        assert s is not None
-        self._sync_table(req)
-        self.start[s] = len(ids)
         chunk = ids[p : p + (max_tokens or len(ids))]
+        if chunk and (padded := self._prefill_padded([(req, len(chunk))])) is not None:
+            return padded[0]
+        s = self._seat(req)
         table = self.tables[s : s + 1]
         every_row = req.sampling.prompt_logprobs is not None and not req.output_ids
         logits, feats = self.static.forward(
@@ -529,9 +530,7 @@ class GraphModelRunner:
             pos = torch.arange(p, p + len(chunk), device=dev)
             page, off = table[0, pos // self.page].long(), pos % self.page
             self.lat[:, page, off] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
-        req.prefill_pos = req.num_committed = p + len(chunk)
-        self.stale.add(s)
-        return logits[-1] if req.prefill_pos == len(ids) else None
+        return self._prefilled(req, len(chunk), logits[-1])
 
     def prefill_batch(self, chunks: list[tuple[Request, int]]) -> list[torch.Tensor | None]:
         """:meth:`prefill` of several requests' next chunks (``(request, tokens)``) as one eager
@@ -560,11 +559,7 @@ class GraphModelRunner:
         dev = self.target.device
         rows, starts, lens = [], [], []
         for req, n in chunks:
-            if req.slot is None:
-                req.slot = len(self.occupant)
-                self.occupant.append(req)
-            self._sync_table(req)
-            self.start[req.slot] = len(prefill_ids(req))
+            self._seat(req)
             p = req.prefill_pos
             rows.append(prefill_ids(req)[p : p + n] + [0] * (width - n))
             starts.append(p)
@@ -585,13 +580,7 @@ class GraphModelRunner:
             pos, real = start[:, None] + offs, (offs < torch.tensor(lens, device=dev)[:, None]) & drafts
             page, off = tables.gather(1, pos // self.page).long()[real], pos[real] % self.page
             self.lat[:, page, off] = self.draft.context_rows(feats[real], pos[real]).to(self.lat.dtype)
-        out: list[torch.Tensor | None] = []
-        for b, (req, n) in enumerate(chunks):
-            req.prefill_pos = req.num_committed = req.prefill_pos + n
-            assert req.slot is not None
-            self.stale.add(req.slot)
-            out.append(logits[b, 0] if req.prefill_pos == len(prefill_ids(req)) else None)
-        return out
+        return [self._prefilled(req, n, logits[b, 0]) for b, (req, n) in enumerate(chunks)]
 
     def _load(self, reqs: list[Request], sampling: BatchSampling | None):
         """The anchor and position of each stale slot (a new request, or one moved), and every
