@@ -668,7 +668,7 @@ def stage_engine(args) -> None:
 
     info = env_report()
     folder = target_folder() if args.graph_device == "cuda" else ROOT / ".cache" / "smollm2-135m-instruct"
-    prompts = gsm8k_test_prompts(ROOT / "work" / "gsm8k_test.jsonl", 128)
+    prompts = gsm8k_test_prompts(ROOT / "work" / "gsm8k_test.jsonl", 512)  # c=128 x 4 requests a slot
     report = {"env": info, "check": {}, "speed": {}}
     OUT.mkdir(parents=True, exist_ok=True)
 

@@ -38,6 +38,8 @@ class ConcurrencyRow:
     # with the planner on: its step costs (ms by "bucket x width") and every request's acceptance per
     # draft position, as it stood when the round ended
     planner_state: dict = field(default_factory=dict)
+    # mean live step ms and step count by "bucket x width" (width 0: the target alone beside a drafter)
+    step_ms_by_shape: dict = field(default_factory=dict)
 
 
 def measure(
@@ -118,6 +120,7 @@ def measure(
         step_seconds=s.step_s,
         prefill_seconds=s.prefill_s,
         planner_state=eng.planner.state() if eng.planner.adapts else {},
+        step_ms_by_shape={k: [n, round(1e3 * t / n, 3)] for k, (n, t) in sorted(s.step_s_by_shape.items())},
     )
 
 
@@ -149,6 +152,7 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
         step_seconds=sum(r.step_seconds for r in rows),
         prefill_seconds=sum(r.prefill_seconds for r in rows),
         planner_state=rows[-1].planner_state,
+        step_ms_by_shape=rows[-1].step_ms_by_shape,
     )
 
 

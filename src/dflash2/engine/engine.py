@@ -155,6 +155,9 @@ class EngineStats:
     step_s: float = 0.0  # whole batched steps (prefills excluded)
     prefill_s: float = 0.0  # prefill chunks, first tokens included
     steps_by_width: dict[int, int] = field(default_factory=dict)  # the planner's choices
+    # "bucket x width" -> [steps, seconds] (width 0: the target alone, no drafter upkeep); what the
+    # planner's step costs are checked against
+    step_s_by_shape: dict[str, list] = field(default_factory=dict)
     drafts_proposed: int = 0  # draft tokens put to the verifier (width - 1 per request per step)
     prompt_tokens: int = 0  # prompts whose prefill finished, in tokens
     ttft: LatencyHistogram = field(default_factory=LatencyHistogram)  # arrival -> first token
@@ -431,11 +434,15 @@ class LLMEngine:
         s.drafts_proposed += (width - 1) * len(reqs)
         s.draft_s += out.draft_s
         s.verify_s += out.verify_s
-        s.step_s += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        s.step_s += seconds
+        plain = self.draft is not None and not any(r.speculate for r in reqs)  # the target alone, no drafter upkeep
+        shape = s.step_s_by_shape.setdefault(f"{bucket}x{0 if plain else width}", [0, 0.0])
+        shape[0], shape[1] = shape[0] + 1, shape[1] + seconds
         if drafting or self.draft is None:
-            self.planner.observe(rids, out.num_accepted, width, bucket, time.perf_counter() - t0)
-        elif not any(r.speculate for r in reqs):  # the target alone, no drafter upkeep
-            self.planner.observe_plain(bucket, time.perf_counter() - t0)
+            self.planner.observe(rids, out.num_accepted, width, bucket, seconds)
+        elif plain:
+            self.planner.observe_plain(bucket, seconds)
 
     def _prefill_some(self) -> None:
         """Up to ``chunked_prefill_size`` prompt tokens, oldest admitted first; a request whose prompt

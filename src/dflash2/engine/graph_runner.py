@@ -256,8 +256,7 @@ class GraphModelRunner:
                 for R, L in reversed(self._prefill_shapes()):
                     if R > 1:  # several rows: captured at first use (~50 shapes x ~0.15 s each at start-up)
                         continue
-                    for latents in (True, False) if draft is not None else (False,):
-                        self._prefill_graph(R, L, latents)
+                    self._prefill_graph(R, L, draft is not None)  # (both variants)
             except RuntimeError as e:
                 warnings.warn(f"CUDA graph capture of prefill failed ({type(e).__name__}: {e}); prefill runs eagerly")
                 self.prefill_graphed, self.prefill_graphs = False, {}
@@ -395,15 +394,20 @@ class GraphModelRunner:
         ]
 
     def _prefill_graph(self, R: int, L: int, latents: bool) -> tuple[Replay, dict]:
-        key = (R, L, latents)
-        if key not in self.prefill_graphs:
-            out: dict = {}
-            with torch.no_grad():
-                self.prefill_graphs[key] = (
-                    Replay(partial(self._prefill_fn, R, L, latents, out), self.prefill_graphed, self.pool),
-                    out,
-                )
-        return self.prefill_graphs[key]
+        """The (rows, length) shape's graph, with or without the draft's latents. Both variants are
+        captured at the first use of either. Why: the planner admits the cold-start wave drafting and
+        later requests not, so the variant without latents was captured at its own first use, inside
+        serving (~0.15 s a shape: 0.46 s of prefill against 0.17 s for the target alone at c=64 on the
+        H200, docs/benchmarks.md, eighteenth session)."""
+        if (R, L, latents) not in self.prefill_graphs:
+            for lat in (latents, not latents) if self.draft is not None else (latents,):
+                out: dict = {}
+                with torch.no_grad():
+                    self.prefill_graphs[(R, L, lat)] = (
+                        Replay(partial(self._prefill_fn, R, L, lat, out), self.prefill_graphed, self.pool),
+                        out,
+                    )
+        return self.prefill_graphs[(R, L, latents)]
 
     def _prefill_fn(self, R: int, L: int, latents: bool, out: dict) -> None:
         """``R`` requests' first chunks, ``pf_ids[:R, :L]`` from position 0 through ``pf_table``: K/V
