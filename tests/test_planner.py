@@ -375,6 +375,8 @@ def test_drafting_requests_retire_when_drafting_stops_paying(llama, runner, monk
     before = [(r.width_sum, r.verify_steps) for r in reqs]
     eng.run_until_done()
     assert calls["n"] == 0 and all(r.width_sum - w == r.verify_steps - n for r, (w, n) in zip(reqs, before))
+    shapes = eng.stats.step_s_by_shape  # live step times by "bucket x width": the retired ones' are width 0
+    assert sum(n for n, _ in shapes.values()) == eng.stats.steps and any(k.endswith("x0") for k in shapes)
     for r, p in zip(reqs, prompts):
         assert r.output_ids == _argmax_continuation(t, p, 40)
 

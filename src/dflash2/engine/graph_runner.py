@@ -49,8 +49,11 @@ PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
 # Several new requests' first chunks prefilled in one call (admission after a wave of requests ends)
 # are padded to a rows bucket too, up to PREFILL_GRAPH_TOKENS padded tokens a graph: eager, such a
 # call of 14 x 150 tokens cost 60-75 ms on the H200 (docs/benchmarks.md, seventeenth session).
-# Those graphs are captured at their first use, not at start-up (an engine is built per benchmark row).
-PREFILL_ROWS = (1, 2, 4, 8, 16)
+# Every shape is captured at start-up, none while serving: captured at first use, the shapes a
+# changed admission pattern met cost ~0.15 s each inside the run (the planner's rows on the H200 spent
+# half their wall in prefill, docs/benchmarks.md, eighteenth session). Few row buckets keep the
+# captures few (17 shapes, 34 graphs with a drafter); a group of rows past them prefills eagerly.
+PREFILL_ROWS = (1, 4, 16)
 PREFILL_GRAPH_TOKENS = 4096
 
 
@@ -216,7 +219,8 @@ class GraphModelRunner:
         # positions land past the prompt or on the scratch page, as in prefill_batch; padded rows
         # on the scratch page): ids, each row's last real position, its table
         self.prefill_buckets = tuple(b for b in PREFILL_BUCKETS if b <= max_len) if self.paged else ()
-        self.prefill_rows = tuple(r for r in PREFILL_ROWS if r <= num_slots) if self.paged else ()
+        rows = {r for r in PREFILL_ROWS if r < num_slots} | {min(max(PREFILL_ROWS), num_slots)}
+        self.prefill_rows = tuple(sorted(rows)) if self.paged else ()
         L, R = max(self.prefill_buckets, default=0), max(self.prefill_rows, default=0)
         self.pf_ids = torch.zeros(R, L, **lng)
         self.pf_last = torch.zeros(R, **lng)
@@ -251,15 +255,14 @@ class GraphModelRunner:
                 self.graphed[greedy] = False
                 self.graphs = {k: v for k, v in self.graphs.items() if k[2] != greedy}
         self.prefill_graphed = self.use_graph
-        if self.use_graph:
-            try:
-                for R, L in reversed(self._prefill_shapes()):
-                    if R > 1:  # several rows: captured at first use (~50 shapes x ~0.15 s each at start-up)
-                        continue
-                    self._prefill_graph(R, L, draft is not None)  # (both variants)
-            except RuntimeError as e:
-                warnings.warn(f"CUDA graph capture of prefill failed ({type(e).__name__}: {e}); prefill runs eagerly")
-                self.prefill_graphed, self.prefill_graphs = False, {}
+        try:  # (off CUDA: the same functions, called eagerly)
+            for R, L in reversed(self._prefill_shapes()):
+                self._capture_prefill(R, L)
+        except RuntimeError as e:
+            warnings.warn(f"CUDA graph capture of prefill failed ({type(e).__name__}: {e}); prefill runs eagerly")
+            self.prefill_graphed, self.prefill_graphs = False, {}
+            for R, L in self._prefill_shapes():
+                self._capture_prefill(R, L)
 
     # ---- slots --------------------------------------------------------------------------------
     def _index(self, reqs: list[Request]) -> tuple[torch.Tensor | slice, int, int]:
@@ -393,21 +396,16 @@ class GraphModelRunner:
             (R, L) for L in self.prefill_buckets for R in self.prefill_rows if R == 1 or R * L <= PREFILL_GRAPH_TOKENS
         ]
 
-    def _prefill_graph(self, R: int, L: int, latents: bool) -> tuple[Replay, dict]:
-        """The (rows, length) shape's graph, with or without the draft's latents. Both variants are
-        captured at the first use of either. Why: the planner admits the cold-start wave drafting and
-        later requests not, so the variant without latents was captured at its own first use, inside
-        serving (~0.15 s a shape: 0.46 s of prefill against 0.17 s for the target alone at c=64 on the
-        H200, docs/benchmarks.md, eighteenth session)."""
-        if (R, L, latents) not in self.prefill_graphs:
-            for lat in (latents, not latents) if self.draft is not None else (latents,):
-                out: dict = {}
-                with torch.no_grad():
-                    self.prefill_graphs[(R, L, lat)] = (
-                        Replay(partial(self._prefill_fn, R, L, lat, out), self.prefill_graphed, self.pool),
-                        out,
-                    )
-        return self.prefill_graphs[(R, L, latents)]
+    def _capture_prefill(self, R: int, L: int) -> None:
+        """Both variants of a shape: with the draft's latents (requests that draft) and without
+        (requests the planner admitted not drafting: no drafter work in their prefill)."""
+        for latents in (True, False) if self.draft is not None else (False,):
+            out: dict = {}
+            with torch.no_grad():
+                self.prefill_graphs[(R, L, latents)] = (
+                    Replay(partial(self._prefill_fn, R, L, latents, out), self.prefill_graphed, self.pool),
+                    out,
+                )
 
     def _prefill_fn(self, R: int, L: int, latents: bool, out: dict) -> None:
         """``R`` requests' first chunks, ``pf_ids[:R, :L]`` from position 0 through ``pf_table``: K/V
@@ -426,11 +424,11 @@ class GraphModelRunner:
         """Requests' first chunks through a padded (rows, length) bucket's graph; None where none
         fits (a later chunk, prompt logprobs, too many rows or tokens): the caller runs them eagerly."""
         n = max(k for _, k in chunks)
-        shape = next(((R, L) for R, L in self._prefill_shapes() if R >= len(chunks) and L >= n), None)
-        if shape is None or any(r.prefill_pos or (r.sampling.prompt_logprobs is not None and not r.output_ids)
+        fits = [(R * L, R, L) for R, L, _ in self.prefill_graphs if R >= len(chunks) and L >= n]
+        if not fits or any(r.prefill_pos or (r.sampling.prompt_logprobs is not None and not r.output_ids)
                                 for r, _ in chunks):  # fmt: skip
             return None
-        R, L = shape
+        _, R, L = min(fits)  # the smallest bucket that holds them
         dev = self.target.device
         rows = []
         for req, k in chunks:
@@ -442,12 +440,7 @@ class GraphModelRunner:
         self.pf_table[:real] = self.tables[torch.tensor([r.slot for r, _ in chunks], device=dev)]
         self.pf_last[real:R] = 0
         self.pf_table[real:R] = self.static.scratch  # padded rows write to the scratch page only
-        try:  # (a shape of several rows is captured here, at its first use)
-            replay, out = self._prefill_graph(R, L, self.draft is not None and any(r.speculate for r, _ in chunks))
-        except RuntimeError as e:
-            warnings.warn(f"CUDA graph capture of a {R}-row prefill failed ({e}); rows of several prefill eagerly")
-            self.prefill_rows = (1,)
-            return None
+        replay, out = self.prefill_graphs[(R, L, self.draft is not None and any(r.speculate for r, _ in chunks))]
         replay()
         return [self._prefilled(req, k, out["logits"][b, -1]) for b, (req, k) in enumerate(chunks)]
 
