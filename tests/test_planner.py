@@ -314,6 +314,9 @@ def test_speculate_new_requests_only_where_drafting_pays():
     assert not p.speculate_new(4, 4)
     p.costs[(4, W)] = 0.030  # 4.1 in 30 ms: drafting pays
     assert p.speculate_new(4, 4)
+    p.costs[(4, W)] = 0.041 / 1.02  # pays by 2%, within the hysteresis: the target alone
+    assert not p.speculate_new(4, 4) and p.drafting_gain(4) > 1
+    p.costs[(4, W)] = 0.030
     p.observe_plain(4, 0.005)  # the target alone measured cheaper than a drafting request's width 1
     assert p.speculate_new(4, 4) is False  # a Python bool: it reaches /generate's JSON meta
     assert Planner(W, PlannerConfig(mode="off")).speculate_new(64, 64) and not Planner(1).speculate_new(1, 1)
@@ -386,7 +389,9 @@ def test_requests_admitted_where_drafting_cannot_pay_run_the_target_alone(llama,
     """The first two requests arrive before anything is measured and draft; then drafting is measured
     not to pay, and the next four are admitted without drafting: no draft context for them (not in
     their prefill, and no drafter work at all once the two are done), width 1 for every batch they
-    are in, one token of KV lookahead, and every output still the target's greedy one."""
+    are in, one token of KV lookahead, and every output still the target's greedy one. The first two,
+    now in a batch that cannot draft, stop drafting (before probe_every steps: retire alone would
+    not act yet)."""
     t, d = llama
     rows = {"prefill": 0, "late": 0}
     real_rows, real_forward = DFlash2DraftModel.context_rows, DFlash2DraftModel.forward
@@ -441,7 +446,9 @@ def test_requests_admitted_where_drafting_cannot_pay_run_the_target_alone(llama,
     eng.step()
     assert not any(r.speculate for r in reqs[2:]) and eng.stats.requests_not_drafting == 4
     assert rows["prefill"] == 0  # their prefill wrote no draft context
-    assert eng.scheduler.lookahead(reqs[2]) == 1 and eng.scheduler.lookahead(reqs[0]) == W
+    # the batch now mixes in requests that do not draft (so it cannot draft): the first two stop too
+    assert eng.scheduler.lookahead(reqs[2]) == 1 and eng.scheduler.lookahead(reqs[0]) == 1
+    assert not reqs[0].speculate and eng.stats.requests_retired == 2
     eng.run_until_done()
     assert rows["late"] == 0 and all(r.finished_at > reqs[1].finished_at for r in reqs[2:])  # then the target only
     assert all(r.width_sum == r.verify_steps for r in reqs[2:])  # width 1 whenever they ran

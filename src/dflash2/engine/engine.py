@@ -400,8 +400,13 @@ class LLMEngine:
         # all greedy (the usual batch): argmax acceptance needs no distributions, uniforms or parameters
         greedy = all(r.sampling.greedy for r in reqs)
         rids, bucket = [r.request_id for r in reqs], self.runner.bucket(len(reqs))
-        if self.draft is not None and any(r.speculate for r in reqs) and self.planner.retire(bucket):
-            for r in reqs:  # drafting cannot pay at this load: the batch's drafting requests stop for good
+        drafters = sum(r.speculate for r in reqs) if self.draft is not None else 0
+        # drafting cannot pay at this load, or the batch mixes in requests that do not draft (so it
+        # cannot draft) where new ones would not: the batch's drafting requests stop for good
+        if drafters and (
+            self.planner.retire(bucket) or (drafters < len(reqs) and not self.planner.speculate_new(len(reqs), bucket))
+        ):
+            for r in reqs:
                 if r.speculate:
                     r.speculate, r.draft_cache = False, None
                     self.stats.requests_retired += 1

@@ -27,7 +27,10 @@ picks: every step is a complete speculative step at its width.
 - Whether running requests stop drafting (:meth:`Planner.retire`): the requests admitted at the
   cold start draft, and where drafting then turns out not to pay at the load (every request's
   acceptance, the measured costs), the drafting requests of a batch stop for good rather than
-  drain as they finish.
+  drain as they finish. A batch that mixes drafting and non-drafting requests cannot draft (one
+  width a step), so its drafting ones stop too where a new request would not draft: else they
+  pay their drafter upkeep at width 1 for nothing (0.85x of the target alone on the H200 at 8
+  requests, T=1, docs/benchmarks.md, eighteenth session).
 """
 
 from __future__ import annotations
@@ -241,7 +244,10 @@ class Planner:
         if cfg.mode == "off":
             return True
         gain = self.drafting_gain(bucket)
-        return gain is None or bool(gain >= 1)
+        # by the hysteresis, as retire: near break-even the target alone is the safe side (on the H200
+        # at 8 requests, T=1, an estimated gain of ~1.05 served 0.88x with the fixed width, the
+        # tail of a finishing wave and the drafter's prefill upkeep not in the step costs)
+        return gain is None or bool(gain >= 1 + cfg.hysteresis)
 
     def drafting_gain(self, bucket: int) -> float | None:
         """Expected tokens/s of the best drafting width at ``bucket`` (every request's acceptance per
