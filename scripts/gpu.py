@@ -1,6 +1,6 @@
 """One script for the lent H200 (see docs/benchmarks.md). Stages, each one device call, back to back:
 
-  bash scripts/gpu_prep.sh           # here, first on a new checkout: builds stash_a/, stash_b/, .whl/, work/
+  bash scripts/gpu_prep.sh          # here, first on a new checkout: builds stash_a/, stash_b/, .whl/, work/
   python scripts/gpu.py stash       # carry stash_a/: first half of the SmolLM2 GGUF -> ~/stash; a second
                                     #   call carrying stash_b/ (and the gguf wheel installed) joins and
                                     #   converts, so the next call can carry the drafter instead
