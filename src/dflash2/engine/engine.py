@@ -410,7 +410,8 @@ class LLMEngine:
                 if r.speculate:
                     r.speculate, r.draft_cache = False, None
                     self.stats.requests_retired += 1
-        drafting = self.draft is not None and all(r.speculate for r in reqs)
+            drafters = 0
+        drafting = drafters > 0 and drafters == len(reqs)
         width = self.planner.choose(rids, bucket) if drafting else 1  # a request that does not draft: width 1
         sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device)
         try:
@@ -441,7 +442,7 @@ class LLMEngine:
         s.verify_s += out.verify_s
         seconds = time.perf_counter() - t0
         s.step_s += seconds
-        plain = self.draft is not None and not any(r.speculate for r in reqs)  # the target alone, no drafter upkeep
+        plain = self.draft is not None and not drafters  # the target alone, no drafter upkeep
         shape = s.step_s_by_shape.setdefault(f"{bucket}x{0 if plain else width}", [0, 0.0])
         shape[0], shape[1] = shape[0] + 1, shape[1] + seconds
         if drafting or self.draft is None:

@@ -219,6 +219,7 @@ class GraphModelRunner:
         # positions land past the prompt or on the scratch page, as in prefill_batch; padded rows
         # on the scratch page): ids, each row's last real position, its table
         self.prefill_buckets = tuple(b for b in PREFILL_BUCKETS if b <= max_len) if self.paged else ()
+        # (fewer slots than the largest rows bucket: the slot count is the largest)
         rows = {r for r in PREFILL_ROWS if r < num_slots} | {min(max(PREFILL_ROWS), num_slots)}
         self.prefill_rows = tuple(sorted(rows)) if self.paged else ()
         L, R = max(self.prefill_buckets, default=0), max(self.prefill_rows, default=0)
