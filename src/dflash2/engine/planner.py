@@ -80,7 +80,11 @@ class PlannerConfig:
     # until it runs (measured with the one-rate acceptance model of session 15: without a margin, greedy
     # at 16 requests on the CPU fell from 1.5x to 1.2x of the target alone)
     between_margin: float = 0.15
-    global_decay: float = 0.98  # per step, on every request's per-position counts (the prior's)
+    # per request-step, on every request's per-position counts (the prior's): the same window in drafts
+    # at every load (~200 request-steps). Why: decayed per step, one request's estimate was its last ~50
+    # steps alone, and on the H200 at one request a run of bad drafts admitted the next request
+    # without drafting (1.09x of the target alone where the fixed width gave 1.32x)
+    global_decay: float = 0.995
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -140,8 +144,9 @@ class AcceptanceCounts:
         reached = ((pos <= n) & (pos < drafts)).astype(float)
         self.acc[r] = decay * self.acc[r] + acc
         self.reached[r] = decay * self.reached[r] + reached
-        self.total_acc = global_decay * self.total_acc + acc.sum(0)
-        self.total_reached = global_decay * self.total_reached + reached.sum(0)
+        g = global_decay ** len(rids)
+        self.total_acc = g * self.total_acc + acc.sum(0)
+        self.total_reached = g * self.total_reached + reached.sum(0)
 
     def age(self, rids: list[str], decay: float) -> None:
         """A step that saw no drafts of these requests (width 1): their counts fade as if it had, so
@@ -244,7 +249,7 @@ class Planner:
         if cfg.mode == "off":
             return True
         gain = self.drafting_gain(bucket)
-        # by the hysteresis, as retire: near break-even the target alone is the safe side (on the H200
+        # by the hysteresis: near break-even the target alone is the safe side (on the H200
         # at 8 requests, T=1, an estimated gain of ~1.05 served 0.88x with the fixed width, the
         # tail of a finishing wave and the drafter's prefill upkeep not in the step costs)
         return gain is None or bool(gain >= 1 + cfg.hysteresis)
@@ -264,7 +269,9 @@ class Planner:
         """Whether the drafting requests of a batch at ``bucket`` stop drafting for good: auto only,
         after ``probe_every`` steps (step costs measured; acceptance is the optimistic prior until
         drafts are seen, so this errs toward drafting), where the best drafting width falls short of
-        the target alone by more than ``hysteresis``. Why: the requests admitted at
+        the target alone (no hysteresis: retirement is for good, so it cannot flap; and the tail of a
+        finishing wave and the drafter's prefill upkeep, not in the step costs, make break-even a
+        loss). Why: the requests admitted at
         the cold start draft for their lifetime, and a drafting request's width 1 costs 15-18% over
         the target alone; on the H200 at 32-64 requests that first wave held the planner at
         0.55-0.85x of the target alone while it chose width 1 for every step (docs/benchmarks.md,
@@ -272,7 +279,7 @@ class Planner:
         if not self.adapts or self.steps < self.cfg.probe_every:
             return False
         gain = self.drafting_gain(bucket)
-        return gain is not None and bool(gain < 1 - self.cfg.hysteresis)
+        return gain is not None and bool(gain < 1)
 
     def observe_plain(self, bucket: int, seconds: float) -> None:
         """A step of requests that do not draft: the target alone's cost at ``bucket`` (width 0)."""
