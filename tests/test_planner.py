@@ -492,3 +492,59 @@ def test_every_requests_estimate_spans_the_same_drafts_at_every_load():
         eight.observe([str(i) for i in range(8)], [0] * 8, W, 8, 0.004)
     assert one.prior_alpha() == pytest.approx(eight.prior_alpha(), rel=0.05)  # (old per-step decay: 10x apart)
     assert 0.02 < one.prior_alpha() < 0.2  # the prior of 0.9 mostly faded, not gone
+
+
+def test_a_shape_that_has_not_run_costs_its_profile_times_what_the_run_ones_cost_live():
+    """The start-up profile is read where a shape has not run, scaled by live / profiled over the
+    shapes of that width that ran (the replays leave out host work): so a drafting bucket that has
+    not run is not costed below what drafting costs live, and a request is not admitted drafting at
+    a load where drafting cannot pay."""
+    p = Planner(W, PlannerConfig(mode="auto"))
+    p.profile.update({(4, W): 0.020, (8, W): 0.025, (4, 0): 0.010, (8, 0): 0.010, (4, 1): 0.012, (8, 1): 0.012})
+    rids = [f"r{i}" for i in range(4)]
+    for _ in range(40):  # 4 requests accept 2 of 4 drafts: ~3.1 expected tokens a step
+        p.observe(rids, [2] * 4, W, 4, 0.030)  # live: 1.5x the profile
+    assert p.cost(4, W) == pytest.approx(0.030) and p.cost(8, W) == pytest.approx(0.025 * 1.5)
+    assert p.cost(8, 0) == pytest.approx(0.010)  # no plain step has run: its profile as it is
+    assert p.state()["profile_scale"] == {W: pytest.approx(1.5)}
+    # at 8: ~3.1 tokens in 37.5 ms against 1 in 10 (unscaled, 25 ms, it would draft: gain 1.24)
+    assert p.drafting_gain(8) == pytest.approx(p.expected_tokens(["new"], W) / 3.75, rel=1e-6)
+    assert 0.7 < p.drafting_gain(8) < 0.95 and not p.speculate_new(8, 8)
+    p.observe_plain(4, 0.02)  # the target alone: 2x its profile, so 20 ms at 8 too: drafting pays
+    assert p.cost(8, 0) == pytest.approx(0.020) and p.speculate_new(8, 8)
+    p.costs[(4, W)] = 0.012  # given, not run: read as it is, and the scale stays what ran said
+    assert p.cost(4, W) == 0.012 and p.cost(8, W) == pytest.approx(0.025 * 1.5)
+
+
+def test_auto_admits_without_drafting_while_a_request_that_does_not_draft_runs(llama):
+    """In auto a batch drafts or does not: while a request that does not draft runs, a new one does
+    not draft either, even where drafting would pay; once it is done, new requests draft again. The
+    output is the target's greedy one throughout."""
+    t, d = llama
+    eng = LLMEngine(
+        t, d, EngineConfig(max_running_requests=4, num_draft_tokens=W, context_length=128, speculative_planner="auto")
+    )
+    eng.planner.cfg = PlannerConfig(mode="auto", cost_decay=0.999, probe_every=1000)
+    for B in range(1, 5):
+        eng.planner.costs[(B, W)], eng.planner.costs[(B, 1)] = 0.050, 0.010  # drafting cannot pay
+    prompts = [torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(3)]
+    reqs = [Request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, (12, 4, 4))]
+    eng.add_request(reqs[0])
+    eng.step()
+    assert not reqs[0].speculate
+    for B in range(1, 5):
+        eng.planner.costs[(B, W)] = 0.020  # now drafting pays (4.1 tokens in 20 ms against 1 in 10)
+    assert eng.planner.speculate_new(2, 2)
+    eng.add_request(reqs[1])
+    eng.step()
+    assert not reqs[1].speculate  # joined a batch that does not draft: admitted so, not retired
+    assert eng.stats.requests_not_drafting == 2 and eng.stats.requests_retired == 0
+    while not reqs[0].finished:
+        eng.step()
+    for B in range(1, 5):  # the plain steps measured on this CPU: set back, so drafting pays
+        eng.planner.costs[(B, 0)] = 0.010
+    eng.add_request(reqs[2])
+    eng.run_until_done()
+    assert reqs[2].speculate and reqs[2].width_sum > reqs[2].verify_steps  # drafted, at full width
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == _argmax_continuation(t, p, r.sampling.max_new_tokens)

@@ -182,7 +182,7 @@ class LLMEngine:
         self.runner: Runner = self._make_runner()
         self.planner.widths = self.runner.widths  # the widths the planner may choose among
         if self.planner.adapts and self.runner.use_graph:  # step costs of every bucket, before any request
-            self.planner.costs.update(cached_profile(self.runner, target, self.draft))
+            self.planner.profile.update(cached_profile(self.runner, target, self.draft))
         self.scheduler = Scheduler(self.runner.kv, cfg.max_running_requests, self.width)
         self.stats = EngineStats(accepted_by_position=[0] * max(self.width - 1, 0))
         self.eos = eos_ids(target)
@@ -376,6 +376,12 @@ class LLMEngine:
             self.prefilling.extend(admitted)
 
     def _speculate(self, n_running: int) -> bool:
+        # auto: a request joins a batch that does not draft without drafting, so batches are either
+        # drafting or not, never mixed for long. Why: near break-even, admissions flipped either way
+        # and a mixed batch runs width 1 with the drafter's upkeep (1.2x the target alone's step): on
+        # the H200 at 8 requests, T=1, half the steps (docs/benchmarks.md, nineteenth session)
+        if self.planner.adapts and not all(r.speculate for r in self.scheduler.running):
+            return False
         return self.planner.speculate_new(n_running, self.runner.bucket(n_running))
 
     def _decode_batch(self) -> list[Request]:
@@ -402,10 +408,10 @@ class LLMEngine:
         rids, bucket = [r.request_id for r in reqs], self.runner.bucket(len(reqs))
         drafters = sum(r.speculate for r in reqs) if self.draft is not None else 0
         # drafting cannot pay at this load, or the batch mixes in requests that do not draft (so it
-        # cannot draft) where new ones would not: the batch's drafting requests stop for good
-        if drafters and (
-            self.planner.retire(bucket) or (drafters < len(reqs) and not self.planner.speculate_new(len(reqs), bucket))
-        ):
+        # cannot draft: in auto always, pinned where new ones would not draft): the batch's drafting
+        # requests stop for good
+        mixed = drafters < len(reqs) and (self.planner.adapts or not self.planner.speculate_new(len(reqs), bucket))
+        if drafters and (self.planner.retire(bucket) or mixed):
             for r in reqs:
                 if r.speculate:
                     r.speculate, r.draft_cache = False, None

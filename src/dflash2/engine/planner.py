@@ -168,7 +168,11 @@ class AcceptanceCounts:
 class Planner:
     width: int  # the full width (the runner's)
     cfg: PlannerConfig = field(default_factory=PlannerConfig)
-    costs: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, width) -> seconds
+    costs: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, width) -> seconds, run or given
+    # the start-up profile (graph replays), read where a shape has not run, scaled by what the run
+    # shapes of that width cost live over their profile (:meth:`cost`)
+    profile: dict[tuple[int, int], float] = field(default_factory=dict)
+    scale: dict[int, float] = field(default_factory=dict)  # width -> live / profiled, over the run shapes
     current: int = 0  # the width of the last step (0: none yet)
     steps: int = 0
     last_run: dict[int, int] = field(default_factory=dict)  # width -> the step it last ran
@@ -258,7 +262,7 @@ class Planner:
         """Expected tokens/s of the best drafting width at ``bucket`` (every request's acceptance per
         position) over the target alone's (width 0 measured, else width 1); None before both costs
         are known."""
-        plain = self.costs.get((bucket, 0)) or self.cost(bucket, 1)
+        plain = self.cost(bucket, 0) or self.cost(bucket, 1)
         cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {self.width}) if w > 1}
         if plain is None or cost[self.width] is None:
             return None
@@ -286,13 +290,31 @@ class Planner:
         if self.adapts:
             key, d = (bucket, 0), self.cfg.cost_decay
             self.costs[key] = seconds if key not in self.costs else d * self.costs[key] + (1 - d) * seconds
+            self._rescale(0)
+
+    def _rescale(self, width: int) -> None:
+        """``scale[width]``: the geometric mean, over the shapes of this width that ran, of their live
+        cost over their profiled one."""
+        r = [np.log(t / self.profile[k]) for k, t in self.costs.items() if k[1] == width and self.profile.get(k)]
+        if r:
+            self.scale[width] = float(np.exp(np.mean(r)))
 
     def cost(self, bucket: int, width: int) -> float | None:
-        """Seconds of a step at ``width``: measured at this bucket, or derived from the other end
-        (1 or the full width) measured there and the latest ratio between the two; a width between
-        the ends, linear between their costs (tokens per row grow linearly; None: nothing to go on)."""
-        if (bucket, width) in self.costs:
-            return self.costs[(bucket, width)]
+        """Seconds of a step at ``width`` (0: the target alone beside a drafter): measured at this
+        bucket; else profiled, times what the shapes of that width that ran cost live over their
+        profile; else derived from the other end (1 or the full width) measured there and the latest
+        ratio between the two; a width between the ends, linear between their costs (tokens per row
+        grow linearly; None: nothing to go on). Why the scale: the replays run at the shortest context
+        and leave out host work, and a drafting shape that had not run was costed 1.3-1.5x below live
+        on the H200 at 32-64 requests (T=1), so requests were admitted drafting at 48 running that
+        drafting could not pay for at 64 (docs/benchmarks.md, nineteenth session)."""
+        key = (bucket, width)
+        if key in self.costs:
+            return self.costs[key]
+        if key in self.profile:
+            return self.profile[key] * self.scale.get(width, 1.0)
+        if width == 0:
+            return None
         if 1 < width < self.width:
             lo, hi = self.cost(bucket, 1), self.cost(bucket, self.width)
             return None if lo is None or hi is None else lo + (hi - lo) * (width - 1) / (self.width - 1)
@@ -308,6 +330,7 @@ class Planner:
             return
         key, d = (bucket, width), self.cfg.cost_decay
         self.costs[key] = seconds if key not in self.costs else d * self.costs[key] + (1 - d) * seconds
+        self._rescale(width)
         self.steps += 1
         self.last_run[width], self.current = self.steps, width
         if (bucket, 1) in self.costs and (bucket, self.width) in self.costs:
@@ -325,6 +348,7 @@ class Planner:
         request's acceptance per draft position, and the steps run at each width."""
         return {
             "cost_ms": {f"{b}x{w}": round(1e3 * t, 3) for (b, w), t in sorted(self.costs.items())},
+            "profile_scale": {w: round(x, 3) for w, x in sorted(self.scale.items())},
             "prior_rates": [round(float(x), 3) for x in self.counts.prior_rates()],
             "steps": self.steps,
         }
