@@ -548,3 +548,23 @@ def test_auto_admits_without_drafting_while_a_request_that_does_not_draft_runs(l
     assert reqs[2].speculate and reqs[2].width_sum > reqs[2].verify_steps  # drafted, at full width
     for p, r in zip(prompts, reqs):
         assert r.output_ids == _argmax_continuation(t, p, r.sampling.max_new_tokens)
+
+
+def test_a_burst_is_admitted_by_the_batch_it_makes(llama):
+    """Four requests arrive at once where drafting pays for one request but not for four: none of
+    them drafts (asked one by one at 1, 2, 3, 4 running, the first would draft into a batch of four,
+    then retire there)."""
+    t, d = llama
+    eng = LLMEngine(
+        t, d, EngineConfig(max_running_requests=4, num_draft_tokens=W, context_length=128, speculative_planner="auto")
+    )
+    for B in range(1, 5):
+        eng.planner.costs[(B, W)], eng.planner.costs[(B, 1)] = (0.020 if B == 1 else 0.050), 0.010
+    prompts = [torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
+    reqs = [Request(p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for p in prompts]
+    for r in reqs:
+        eng.add_request(r)
+    eng.run_until_done()
+    assert eng.stats.requests_not_drafting == 4 and eng.stats.requests_retired == 0
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == _argmax_continuation(t, p, 6)

@@ -382,7 +382,11 @@ class LLMEngine:
         # the H200 at 8 requests, T=1, half the steps (docs/benchmarks.md, nineteenth session)
         if self.planner.adapts and not all(r.speculate for r in self.scheduler.running):
             return False
-        return self.planner.speculate_new(n_running, self.runner.bucket(n_running))
+        # keyed on the batch these admissions make, the queue's included: admitted one by one, the
+        # first of a burst saw a small batch where drafting pays and drafted into a large one
+        sched = self.scheduler
+        n = max(n_running, min(sched.max_running, len(sched.running) + len(sched.waiting)))
+        return self.planner.speculate_new(n, self.runner.bucket(n))
 
     def _decode_batch(self) -> list[Request]:
         """The running requests whose prompt is in, once KV room for their next block is reserved
