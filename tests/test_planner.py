@@ -568,3 +568,16 @@ def test_a_burst_is_admitted_by_the_batch_it_makes(llama):
     assert eng.stats.requests_not_drafting == 4 and eng.stats.requests_retired == 0
     for p, r in zip(prompts, reqs):
         assert r.output_ids == _argmax_continuation(t, p, 6)
+
+
+def test_width_one_is_probed_only_where_it_could_be_the_better_width():
+    """After probe_every steps at the full width, width 1 is probed where its estimated tokens/s is
+    within probe_reach of the full width's, not where drafting is far ahead (each probe costs a step's
+    drafts)."""
+    far, rids = _planner(full_ms=5.0, plain_ms=4.0, accepted=4, steps=40)  # ~5 tokens in 5 ms against 1 in 4
+    assert far.steps - far.last_run.get(1, 0) >= far.cfg.probe_every
+    assert far.choose(rids, 4) == W
+    near, rids = _planner(full_ms=10.0, plain_ms=4.0, accepted=2, steps=40)  # ~3 in 10 ms against 1 in 4
+    assert near.choose(rids, 4) == 1  # the probe
+    near.observe(rids, [0] * 4, 1, 4, 0.004)
+    assert near.choose(rids, 4) == W  # and back

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,11 @@ class PlannerConfig:
     schedule: tuple[tuple[int, int], ...] = ()  # pinned (max batch, width) pairs; overrides auto
     hysteresis: float = 0.05  # the other width must promise this much more tokens/s
     probe_every: int = 32  # steps at one width between probes of the other
+    # width 1 is probed only where its estimated tokens/s is within this much of the current width's:
+    # each probe costs a step's drafts (on the H200 at T=0, one step in 32 at one token where drafting
+    # gave 3.4: ~2% of the fixed width's speed, docs/benchmarks.md, nineteenth session). The full width
+    # is always probed: width 1 observes no acceptance
+    probe_reach: float = 0.5
     prior: float = 0.9  # per-draft acceptance before anything is observed
     prior_weight: float = 2.0  # pseudo-drafts of the prior in a request's estimate
     decay: float = 0.9  # per step, on a request's counts (recent steps matter most)
@@ -89,7 +95,7 @@ class PlannerConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"--speculative-planner must be one of {MODES}, got {self.mode!r}")
-        for name in ("hysteresis", "prior", "decay", "cost_decay", "between_margin", "global_decay"):
+        for name in ("hysteresis", "prior", "decay", "cost_decay", "between_margin", "global_decay", "probe_reach"):
             v = getattr(self, name)
             if not 0 <= v < 1 + (name == "hysteresis") * 9:
                 raise ValueError(f"planner {name} out of range: {v}")
@@ -104,6 +110,7 @@ class AcceptanceCounts:
         self.P, self.prior, self.k = positions, prior, prior_weight
         self.row: dict[str, int] = {}
         self.free: list[int] = []
+        self._last: tuple[list[str], np.ndarray] = ([], np.zeros(0, dtype=np.int64))
         self.acc = np.zeros((0, positions))
         self.reached = np.zeros((0, positions))
         # every request's counts start as the prior's pseudo-drafts (10 x prior_weight reached), which
@@ -114,6 +121,8 @@ class AcceptanceCounts:
         self.total_acc, self.total_reached = np.full(positions, prior * m), np.full(positions, float(m))
 
     def rows(self, rids: list[str]) -> np.ndarray:
+        if rids == self._last[0]:  # the same batch as the last call (most steps): its rows as they were
+            return self._last[1]
         for rid in rids:
             if rid not in self.row:
                 if not self.free:  # grow: double the rows
@@ -122,7 +131,9 @@ class AcceptanceCounts:
                     pad = np.zeros((m - n, self.P))
                     self.acc, self.reached = np.vstack([self.acc, pad]), np.vstack([self.reached, pad])
                 self.row[rid] = self.free.pop()
-        return np.fromiter((self.row[r] for r in rids), dtype=np.int64, count=len(rids))
+        out = np.fromiter((self.row[r] for r in rids), dtype=np.int64, count=len(rids))
+        self._last = (list(rids), out)
+        return out
 
     def prior_rates(self) -> np.ndarray:
         """Every request's rate per position (the prior until observed drafts outweigh it)."""
@@ -160,6 +171,7 @@ class AcceptanceCounts:
     def forget(self, rid: str) -> None:
         i = self.row.pop(rid, None)
         if i is not None:
+            self._last = ([], self._last[1][:0])
             self.acc[i], self.reached[i] = 0.0, 0.0
             self.free.append(i)
 
@@ -173,6 +185,7 @@ class Planner:
     # shapes of that width cost live over their profile (:meth:`cost`)
     profile: dict[tuple[int, int], float] = field(default_factory=dict)
     scale: dict[int, float] = field(default_factory=dict)  # width -> live / profiled, over the run shapes
+    _log_ratio: dict[int, dict[int, float]] = field(default_factory=dict)  # width -> bucket -> log(live / profiled)
     current: int = 0  # the width of the last step (0: none yet)
     steps: int = 0
     last_run: dict[int, int] = field(default_factory=dict)  # width -> the step it last ran
@@ -230,11 +243,12 @@ class Planner:
         if cost[1] is None:  # try width 1 once, to learn what it costs
             return 1
         keep = self.current if self.current in cost else W
-        for end in (1, W):  # a probe keeps each end's cost (and, at the full width, acceptance) fresh
-            if end != keep and self.steps - self.last_run.get(end, 0) >= cfg.probe_every:
-                return end
         tokens = self.expected_by_width(rids)
         rate = {w: tokens[w - 1] / c for w, c in cost.items() if c is not None}
+        for end in (1, W):  # a probe keeps each end's cost (and, at the full width, acceptance) fresh
+            if end != keep and self.steps - self.last_run.get(end, 0) >= cfg.probe_every:
+                if end == W or rate[1] * (1 + cfg.probe_reach) >= rate[keep]:
+                    return end
         ends = max(rate[1], rate[W])
         best = max(rate, key=lambda w: rate[w] if w in (1, W) or rate[w] > ends * (1 + cfg.between_margin) else 0.0)
         return best if rate[best] > rate[keep] * (1 + cfg.hysteresis) else keep
@@ -290,14 +304,15 @@ class Planner:
         if self.adapts:
             key, d = (bucket, 0), self.cfg.cost_decay
             self.costs[key] = seconds if key not in self.costs else d * self.costs[key] + (1 - d) * seconds
-            self._rescale(0)
+            self._rescale(key)
 
-    def _rescale(self, width: int) -> None:
+    def _rescale(self, key: tuple[int, int]) -> None:
         """``scale[width]``: the geometric mean, over the shapes of this width that ran, of their live
-        cost over their profiled one."""
-        r = [np.log(t / self.profile[k]) for k, t in self.costs.items() if k[1] == width and self.profile.get(k)]
-        if r:
-            self.scale[width] = float(np.exp(np.mean(r)))
+        cost over their profiled one (``key`` has just run)."""
+        if self.profile.get(key):
+            r = self._log_ratio.setdefault(key[1], {})
+            r[key[0]] = math.log(self.costs[key] / self.profile[key])
+            self.scale[key[1]] = math.exp(sum(r.values()) / len(r))
 
     def cost(self, bucket: int, width: int) -> float | None:
         """Seconds of a step at ``width`` (0: the target alone beside a drafter): measured at this
@@ -330,7 +345,7 @@ class Planner:
             return
         key, d = (bucket, width), self.cfg.cost_decay
         self.costs[key] = seconds if key not in self.costs else d * self.costs[key] + (1 - d) * seconds
-        self._rescale(width)
+        self._rescale(key)
         self.steps += 1
         self.last_run[width], self.current = self.steps, width
         if (bucket, 1) in self.costs and (bucket, self.width) in self.costs:
