@@ -12,7 +12,8 @@ picks: every step is a complete speculative step at its width.
   a greedy streak makes later drafts likelier to pass (the one-rate model under-counted them).
 - Decisions are keyed on the decode requests only (prefills do not count) and switch only when the
   other width is ``hysteresis`` better. Every ``probe_every`` steps at one width, one step runs the
-  other (width 1 observes no acceptance, and an unused width's cost goes stale as contexts grow).
+  other (width 1 observes no acceptance, and an unused width's cost goes stale as contexts grow;
+  width 1 only where it is within ``probe_reach`` of winning).
   A width never run at a bucket is costed from the other width there and the latest ratio of the
   two seen anywhere, so each new batch size does not have to try both. Where the runner can run
   any width (the eager paged runner), the widths between 1 and the full one are costed linearly
