@@ -414,7 +414,7 @@ class LLMEngine:
         # drafting cannot pay at this load, or the batch mixes in requests that do not draft (so it
         # cannot draft: in auto always, pinned where new ones would not draft): the batch's drafting
         # requests stop for good
-        mixed = drafters < len(reqs) and (self.planner.adapts or not self.planner.speculate_new(len(reqs), bucket))
+        mixed = 0 < drafters < len(reqs) and (self.planner.adapts or not self.planner.speculate_new(len(reqs), bucket))
         if drafters and (self.planner.retire(bucket) or mixed):
             for r in reqs:
                 if r.speculate:
