@@ -496,22 +496,26 @@ def test_every_requests_estimate_spans_the_same_drafts_at_every_load():
 
 def test_a_shape_that_has_not_run_costs_its_profile_times_what_the_run_ones_cost_live():
     """The start-up profile is read where a shape has not run, scaled by live / profiled over the
-    shapes of that width that ran (the replays leave out host work): so a drafting bucket that has
-    not run is not costed below what drafting costs live, and a request is not admitted drafting at
-    a load where drafting cannot pay."""
+    shapes of that width that ran (the replays leave out host work), or of the other widths where
+    none of its shapes ran: so a drafting bucket that has not run is not costed below what drafting
+    costs live, nor an unrun target alone below what it will cost, and requests are neither admitted
+    drafting where drafting cannot pay nor retired where it does."""
     p = Planner(W, PlannerConfig(mode="auto"))
     p.profile.update({(4, W): 0.020, (8, W): 0.025, (4, 0): 0.010, (8, 0): 0.010, (4, 1): 0.012, (8, 1): 0.012})
     rids = [f"r{i}" for i in range(4)]
     for _ in range(40):  # 4 requests accept 2 of 4 drafts: ~3.1 expected tokens a step
         p.observe(rids, [2] * 4, W, 4, 0.030)  # live: 1.5x the profile
     assert p.cost(4, W) == pytest.approx(0.030) and p.cost(8, W) == pytest.approx(0.025 * 1.5)
-    assert p.cost(8, 0) == pytest.approx(0.010)  # no plain step has run: its profile as it is
+    # no plain step has run: its profile times the widths' that ran (the replays' bias is the whole
+    # step's; read unscaled, 10 ms, drafting would look a loss, gain 0.83, and retire)
+    assert p.cost(8, 0) == pytest.approx(0.015) and p.cost(8, 1) == pytest.approx(0.018)
     assert p.state()["profile_scale"] == {W: pytest.approx(1.5)}
-    # at 8: ~3.1 tokens in 37.5 ms against 1 in 10 (unscaled, 25 ms, it would draft: gain 1.24)
-    assert p.drafting_gain(8) == pytest.approx(p.expected_tokens(["new"], W) / 3.75, rel=1e-6)
-    assert 0.7 < p.drafting_gain(8) < 0.95 and not p.speculate_new(8, 8)
-    p.observe_plain(4, 0.02)  # the target alone: 2x its profile, so 20 ms at 8 too: drafting pays
-    assert p.cost(8, 0) == pytest.approx(0.020) and p.speculate_new(8, 8)
+    assert p.drafting_gain(8) == pytest.approx(p.expected_tokens(["new"], W) / 2.5, rel=1e-6)
+    assert 1.1 < p.drafting_gain(8) < 1.4 and p.speculate_new(8, 8) and not p.retire(8)
+    p.observe_plain(4, 0.010)  # the target alone runs at its profile, so 10 ms at 8: drafting cannot pay
+    assert p.cost(8, 0) == pytest.approx(0.010) and p.state()["profile_scale"] == {0: 1.0, W: pytest.approx(1.5)}
+    assert p.cost(8, 1) == pytest.approx(0.012 * 1.5**0.5)  # width 1 borrows the mean of the two
+    assert 0.7 < p.drafting_gain(8) < 0.95 and not p.speculate_new(8, 8) and p.retire(8)
     p.costs[(4, W)] = 0.012  # given, not run: read as it is, and the scale stays what ran said
     assert p.cost(4, W) == 0.012 and p.cost(8, W) == pytest.approx(0.025 * 1.5)
 

@@ -315,10 +315,20 @@ class Planner:
             r[key[0]] = math.log(self.costs[key] / self.profile[key])
             self.scale[key[1]] = math.exp(sum(r.values()) / len(r))
 
+    def _scale_of(self, width: int) -> float:
+        """Live / profiled for ``width``; a width with no run shape yet borrows the geometric mean of
+        the others'. Why: the replays' bias (shortest context, no host work) is the whole step's, and
+        an unrun target alone read unscaled against a scaled drafting width looked 1.3x cheaper than
+        it was: on the H200 at 64 requests, T=0, the drafting requests retired for good at the first
+        check where the fixed width served 1.12x (docs/benchmarks.md, twentieth session)."""
+        if width in self.scale or not self.scale:
+            return self.scale.get(width, 1.0)
+        return math.exp(sum(math.log(x) for x in self.scale.values()) / len(self.scale))
+
     def cost(self, bucket: int, width: int) -> float | None:
         """Seconds of a step at ``width`` (0: the target alone beside a drafter): measured at this
         bucket; else profiled, times what the shapes of that width that ran cost live over their
-        profile; else derived from the other end (1 or the full width) measured there and the latest
+        profile (:meth:`_scale_of`: the other widths' where none has run); else derived from the other end (1 or the full width) measured there and the latest
         ratio between the two; a width between the ends, linear between their costs (tokens per row
         grow linearly; None: nothing to go on). Why the scale: the replays run at the shortest context
         and leave out host work, and a drafting shape that had not run was costed 1.3-1.5x below live
@@ -328,7 +338,7 @@ class Planner:
         if key in self.costs:
             return self.costs[key]
         if key in self.profile:
-            return self.profile[key] * self.scale.get(width, 1.0)
+            return self.profile[key] * self._scale_of(width)
         if width == 0:
             return None
         if 1 < width < self.width:
