@@ -328,9 +328,10 @@ class Planner:
     def cost(self, bucket: int, width: int) -> float | None:
         """Seconds of a step at ``width`` (0: the target alone beside a drafter): measured at this
         bucket; else profiled, times what the shapes of that width that ran cost live over their
-        profile (:meth:`_scale_of`: the other widths' where none has run); else derived from the other end (1 or the full width) measured there and the latest
-        ratio between the two; a width between the ends, linear between their costs (tokens per row
-        grow linearly; None: nothing to go on). Why the scale: the replays run at the shortest context
+        profile (:meth:`_scale_of`: the other widths' where none has run); else derived from the
+        other end (1 or the full width) measured there and the latest ratio between the two; a width
+        between the ends, linear between their costs (tokens per row grow linearly; None: nothing to
+        go on). Why the scale: the replays run at the shortest context
         and leave out host work, and a drafting shape that had not run was costed 1.3-1.5x below live
         on the H200 at 32-64 requests (T=1), so requests were admitted drafting at 48 running that
         drafting could not pay for at 64 (docs/benchmarks.md, nineteenth session)."""
