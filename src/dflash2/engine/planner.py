@@ -187,6 +187,7 @@ class Planner:
     profile: dict[tuple[int, int], float] = field(default_factory=dict)
     scale: dict[int, float] = field(default_factory=dict)  # width -> live / profiled, over the run shapes
     _log_ratio: dict[int, dict[int, float]] = field(default_factory=dict)  # width -> bucket -> log(live / profiled)
+    _borrowed: float = 1.0  # the geometric mean of ``scale``: an unrun width's (:meth:`_scale_of`)
     current: int = 0  # the width of the last step (0: none yet)
     steps: int = 0
     last_run: dict[int, int] = field(default_factory=dict)  # width -> the step it last ran
@@ -314,6 +315,7 @@ class Planner:
             r = self._log_ratio.setdefault(key[1], {})
             r[key[0]] = math.log(self.costs[key] / self.profile[key])
             self.scale[key[1]] = math.exp(sum(r.values()) / len(r))
+            self._borrowed = math.exp(sum(map(math.log, self.scale.values())) / len(self.scale))
 
     def _scale_of(self, width: int) -> float:
         """Live / profiled for ``width``; a width with no run shape yet borrows the geometric mean of
@@ -321,9 +323,7 @@ class Planner:
         an unrun target alone read unscaled against a scaled drafting width looked 1.3x cheaper than
         it was: on the H200 at 64 requests, T=0, the drafting requests retired for good at the first
         check where the fixed width served 1.12x (docs/benchmarks.md, twentieth session)."""
-        if width in self.scale or not self.scale:
-            return self.scale.get(width, 1.0)
-        return math.exp(sum(math.log(x) for x in self.scale.values()) / len(self.scale))
+        return self.scale.get(width, self._borrowed)
 
     def cost(self, bucket: int, width: int) -> float | None:
         """Seconds of a step at ``width`` (0: the target alone beside a drafter): measured at this
@@ -331,10 +331,10 @@ class Planner:
         profile (:meth:`_scale_of`: the other widths' where none has run); else derived from the
         other end (1 or the full width) measured there and the latest ratio between the two; a width
         between the ends, linear between their costs (tokens per row grow linearly; None: nothing to
-        go on). Why the scale: the replays run at the shortest context
-        and leave out host work, and a drafting shape that had not run was costed 1.3-1.5x below live
-        on the H200 at 32-64 requests (T=1), so requests were admitted drafting at 48 running that
-        drafting could not pay for at 64 (docs/benchmarks.md, nineteenth session)."""
+        go on). Why the scale: the replays run at the shortest context and leave out host work, and a
+        drafting shape that had not run was costed 1.3-1.5x below live on the H200 at 32-64 requests
+        (T=1), so requests were admitted drafting at 48 running that drafting could not pay for at 64
+        (docs/benchmarks.md, nineteenth session)."""
         key = (bucket, width)
         if key in self.costs:
             return self.costs[key]
