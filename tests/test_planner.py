@@ -327,12 +327,16 @@ def test_speculate_new_requests_only_where_drafting_pays():
 def test_retire_only_after_costs_are_measured_and_drafting_cannot_pay():
     """Drafting requests stop for good only in auto, after probe_every steps, where the best drafting
     width falls short of the target alone; never while it pays."""
-    p = Planner(W, PlannerConfig(mode="auto", probe_every=4))
+    p = Planner(W, PlannerConfig(mode="auto", probe_every=4, retire_every=2))
     p.costs[(4, W)], p.costs[(4, 1)] = 0.050, 0.010  # prior 0.9: 4.1 tokens in 50 ms against 1 in 10
     assert not p.retire(4)  # no steps yet
     for _ in range(4):
         p.observe(["a"], [0], 1, 4, 0.010)
     assert p.retire(4)
+    p.observe(["a"], [0], 1, 4, 0.010)
+    assert not p.retire(4)  # checked every retire_every steps only (host work), ...
+    p.observe(["a"], [0], 1, 4, 0.010)
+    assert p.retire(4)  # ... and then again
     p.costs[(4, W)] = 0.030  # 4.1 in 30 ms: drafting pays
     assert not p.retire(4)
     p.costs[(4, W)] = 0.041 / 1.02  # 2% over break-even: keep drafting
@@ -359,7 +363,7 @@ def test_drafting_requests_retire_when_drafting_stops_paying(llama, runner, monk
             max_running_requests=4, num_draft_tokens=W, context_length=128, runner=runner, speculative_planner="auto"
         ),
     )
-    eng.planner.cfg = PlannerConfig(mode="auto", cost_decay=0.999, probe_every=4)
+    eng.planner.cfg = PlannerConfig(mode="auto", cost_decay=0.999, probe_every=4, retire_every=2)
     prompts = [torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(3)]
     reqs = [Request(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in prompts]
     for r in reqs:

@@ -92,6 +92,9 @@ class PlannerConfig:
     # steps alone, and on the H200 at one request a run of bad drafts admitted the next request
     # without drafting (1.09x of the target alone where the fixed width gave 1.32x)
     global_decay: float = 0.995
+    # drafting's break-even is checked every this many steps (retirement is for good, so a few steps
+    # late costs little; checked every step it was ~15-35 us of host work a step on the CPU)
+    retire_every: int = 8
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -100,6 +103,10 @@ class PlannerConfig:
             v = getattr(self, name)
             if not 0 <= v < 1 + (name == "hysteresis") * 9:
                 raise ValueError(f"planner {name} out of range: {v}")
+        if self.retire_every < 1 or self.probe_every < 1:
+            raise ValueError(
+                f"planner retire_every and probe_every must be >= 1: {self.retire_every}, {self.probe_every}"
+            )
 
 
 class AcceptanceCounts:
@@ -120,6 +127,12 @@ class AcceptanceCounts:
         # (docs/benchmarks.md, seventeenth session), so drafting went on where it lost.
         m = 10 * prior_weight
         self.total_acc, self.total_reached = np.full(positions, prior * m), np.full(positions, float(m))
+        # what a step adds per request, by its accepted count n (and the step's drafts g): position i
+        # accepted when n > i, reached when n >= i and i < g. Why tables: the per-step update is a
+        # gather, not a few comparisons per step (planner host work is a share of a 3 ms step)
+        pos, n = np.arange(positions)[None], np.arange(positions + 1)[:, None]
+        self._acc_of = (pos < n).astype(float)  # [P + 1, P]
+        self._reached_of = [((pos <= n) & (pos < g)).astype(float) for g in range(positions + 1)]
 
     def rows(self, rids: list[str]) -> np.ndarray:
         if rids == self._last[0]:  # the same batch as the last call (most steps): its rows as they were
@@ -149,16 +162,15 @@ class AcceptanceCounts:
     def observe(self, rids: list[str], accepted: list[int], drafts: int, decay: float, global_decay: float) -> None:
         """A step of ``drafts`` drafts per request: position ``i`` (0-based) was reached when the ``i``
         drafts before it were accepted, and accepted when ``accepted > i``."""
-        r = self.rows(rids)
-        n = np.asarray(accepted)[:, None]
-        pos = np.arange(self.P)[None]
-        acc = (pos < n).astype(float)
-        reached = ((pos <= n) & (pos < drafts)).astype(float)
+        r, n = self.rows(rids), np.asarray(accepted)
+        acc, reached = self._acc_of[n], self._reached_of[drafts][n]  # [rows, P] each, by table lookup
         self.acc[r] = decay * self.acc[r] + acc
         self.reached[r] = decay * self.reached[r] + reached
         g = global_decay ** len(rids)
-        self.total_acc = g * self.total_acc + acc.sum(0)
-        self.total_reached = g * self.total_reached + reached.sum(0)
+        # every request's totals from the histogram of accepted counts, not a sum over rows
+        hist = np.bincount(n, minlength=self.P + 1)
+        self.total_acc = g * self.total_acc + self._acc_of.T @ hist
+        self.total_reached = g * self.total_reached + self._reached_of[drafts].T @ hist
 
     def age(self, rids: list[str], decay: float) -> None:
         """A step that saw no drafts of these requests (width 1): their counts fade as if it had, so
@@ -296,7 +308,7 @@ class Planner:
         the target alone; on the H200 at 32-64 requests that first wave held the planner at
         0.55-0.85x of the target alone while it chose width 1 for every step (docs/benchmarks.md,
         seventeenth session). One way: a request without a draft context cannot draft again."""
-        if not self.adapts or self.steps < self.cfg.probe_every:
+        if not self.adapts or self.steps < self.cfg.probe_every or self.steps % self.cfg.retire_every:
             return False
         gain = self.drafting_gain(bucket)
         return gain is not None and bool(gain < 1)
