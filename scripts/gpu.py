@@ -919,6 +919,25 @@ def stage_prefill(args) -> None:
             calls.append((len(chunks), sum(n for _, n in chunks), (time.perf_counter() - t0) * 1e3))
 
         eng._prefill_chunks = timed
+        parts: dict = {}  # "runner R<rows>" / "first R<rows>" -> [calls, synchronised ms]
+
+        def split(fn, name, arg_rows):  # time one part of a prefill call (synchronised), by its rows
+            def wrapped(x, fn=fn):
+                if state["profile"]:
+                    return fn(x)
+                torch.cuda.synchronize() if cuda else None
+                t0 = time.perf_counter()
+                out = fn(x)
+                torch.cuda.synchronize() if cuda else None
+                c = parts.setdefault(f"{name} R{arg_rows(x)}", [0, 0.0])
+                c[0], c[1] = c[0] + 1, c[1] + (time.perf_counter() - t0) * 1e3
+                return out
+
+            return wrapped
+
+        if getattr(eng.runner, "prefill_batch", None) is not None:
+            eng.runner.prefill_batch = split(eng.runner.prefill_batch, "runner", len)
+        eng._first_tokens = split(eng._first_tokens, "first", len)
         g = torch.Generator().manual_seed(1)
         state = {"profile": False}
         walls = []
@@ -945,7 +964,10 @@ def stage_prefill(args) -> None:
             "prefill_ms_total": round(sum(ms for *_, ms in calls), 1),
             "step_s": round(step_s, 3),
             "top_ops_cpu": [[k, c, round(ms, 2)] for k, (c, ms) in top],
+            # every round's calls (warm-up, timed, profiled: the profiled ones are slower), by part
+            "parts_ms_per_call": {k: [c, round(ms / c, 3)] for k, (c, ms) in sorted(parts.items())},
         }
+        log(f"  parts (calls, ms per call): {report[name]['parts_ms_per_call']}")
         r = report[name]
         log(
             f"{name}: wall {r['wall_s']} s, {len(calls)} prefill calls, {r['prefill_ms_total']} ms in them, steps {r['step_s']} s"

@@ -361,11 +361,11 @@ def test_first_tokens_of_one_prefill_fail_alone(llama, monkeypatch):
     real = engine_mod.first_tokens
     sizes = []
 
-    def poisoned(logits, samplings, gens, stops):
+    def poisoned(logits, samplings, gens, stops, *rest):
         sizes.append(len(samplings))
         if any(s.max_new_tokens == 7 for s in samplings):
             raise RuntimeError("poisoned row")
-        return real(logits, samplings, gens, stops)
+        return real(logits, samplings, gens, stops, *rest)
 
     monkeypatch.setattr(engine_mod, "first_tokens", poisoned)
     pair = [_req([5, 6, 7, 8], n=7), _req([5, 6, 7, 8]), _req([9, 6, 7, 8])]

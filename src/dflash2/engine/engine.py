@@ -513,7 +513,8 @@ class LLMEngine:
             gens = [r.generator for r in reqs]
             if any(g is None for g in gens):
                 raise RuntimeError("a request reached prefill without its generator")
-            toks = first_tokens(rows, [r.sampling for r in reqs], gens, stops)  # type: ignore[arg-type]
+            kernel = getattr(self.runner, "truncate_kernel", False)  # the decode graphs' truncation
+            toks = first_tokens(rows, [r.sampling for r in reqs], gens, stops, kernel)  # type: ignore[arg-type]
         except Exception as e:
             if len(done) == 1:
                 return self._prefill_failed(reqs[0], e)

@@ -49,17 +49,27 @@ def first_tokens(
     samplings: list[SamplingParams],
     gens: list[torch.Generator],
     stops: list[list[int] | None],
+    truncate_kernel: bool = False,
+    sync_free: bool | None = None,
 ) -> list[int]:
     """:func:`first_token` of every row of ``logits [R, V]`` at once: one processing of the rows
     and one host read, not a few per request. Why: per request, at 14 prompts a prefill call, it
     was about half of that call's ~1,800 kernel launches on the H200 (docs/benchmarks.md,
-    seventeenth session). Row ``i`` draws one uniform of ``gens[i]``, as one call for it would."""
+    seventeenth session). Row ``i`` draws one uniform of ``gens[i]``, as one call for it would.
+    ``sync_free`` (default: on CUDA): the graphs' truncation (``truncate_kernel``: the sort-free
+    kernel, as the engine's decode graphs use), no host read but the tokens. Why: the eager path's
+    reads made the first token cost ~3 ms a prefill call on the H200, more than a 150-token
+    prompt's forward (docs/benchmarks.md, twenty-first session); on the CPU its top-entries
+    shortcut is cheaper than sorting whole rows."""
     if any(stops):
         logits = logits.clone()
         for i, ids in enumerate(stops):
             if ids:
                 logits[i, ids] = float("-inf")
     dev = logits.device
+    u = torch.stack([torch.rand((), generator=g) for g in gens])  # one uniform per row, in order
+    if all(s.greedy for s in samplings):
+        return logits.argmax(-1).tolist()
     col = partial(torch.tensor, device=dev)
     p_last = probs_from_logits(
         logits,
@@ -67,9 +77,10 @@ def first_tokens(
         col([s.top_k for s in samplings], dtype=torch.long),
         col([s.top_p for s in samplings], dtype=torch.float32),
         col([s.min_p for s in samplings], dtype=torch.float32),
+        capturable=logits.is_cuda if sync_free is None else sync_free,
+        truncate_kernel=truncate_kernel,
     )
-    u = torch.stack([torch.rand((), generator=g) for g in gens]).to(dev)
-    return sample_from_probs(p_last, u).tolist()
+    return sample_from_probs(p_last, u.to(dev)).tolist()
 
 
 def eos_ids(target) -> set[int]:
