@@ -110,29 +110,28 @@ class PlannerConfig:
 
 
 class AcceptanceCounts:
-    """Decayed (accepted, reached) counts per request and draft position, as ``[rows, W-1]`` arrays
-    (one numpy update per step, not a Python loop over requests x positions on the hot path), and
-    every request's, for the prior."""
+    """Decayed (accepted, reached) counts per request and draft position, as one ``[rows, 2, W-1]``
+    array (one gather and one scatter a step, not a Python loop over requests x positions on the
+    hot path), and every request's, for the prior."""
 
     def __init__(self, positions: int, prior: float, prior_weight: float):
         self.P, self.prior, self.k = positions, prior, prior_weight
         self.row: dict[str, int] = {}
         self.free: list[int] = []
         self._last: tuple[list[str], np.ndarray] = ([], np.zeros(0, dtype=np.int64))
-        self.acc = np.zeros((0, positions))
-        self.reached = np.zeros((0, positions))
+        self.cnt = np.zeros((0, 2, positions))  # [row, (accepted, reached), position]
         # every request's counts start as the prior's pseudo-drafts (10 x prior_weight reached), which
         # decay with the rest: at first the prior, then what was seen. Why: kept for good, the prior's
         # 0.9 held the H200's held-out first-draft rate at 0.60 against ~0.4 seen at one request
         # (docs/benchmarks.md, seventeenth session), so drafting went on where it lost.
         m = 10 * prior_weight
-        self.total_acc, self.total_reached = np.full(positions, prior * m), np.full(positions, float(m))
-        # what a step adds per request, by its accepted count n (and the step's drafts g): position i
+        self.total = np.stack([np.full(positions, prior * m), np.full(positions, float(m))])  # [2, P]
+        self._prior_rates = self._rates_of_total()
+        # what a step adds per request, by the step's drafts g and its accepted count n: position i
         # accepted when n > i, reached when n >= i and i < g. Why tables: the per-step update is a
         # gather, not a few comparisons per step (planner host work is a share of a 3 ms step)
         pos, n = np.arange(positions)[None], np.arange(positions + 1)[:, None]
-        self._acc_of = (pos < n).astype(float)  # [P + 1, P]
-        self._reached_of = [((pos <= n) & (pos < g)).astype(float) for g in range(positions + 1)]
+        self._add = [np.stack([pos < n, (pos <= n) & (pos < g)], axis=1).astype(float) for g in range(positions + 1)]
 
     def rows(self, rids: list[str]) -> np.ndarray:
         if rids == self._last[0]:  # the same batch as the last call (most steps): its rows as they were
@@ -140,52 +139,51 @@ class AcceptanceCounts:
         for rid in rids:
             if rid not in self.row:
                 if not self.free:  # grow: double the rows
-                    n, m = len(self.acc), max(2 * len(self.acc), 8)
+                    n, m = len(self.cnt), max(2 * len(self.cnt), 8)
                     self.free = list(range(m - 1, n - 1, -1))
-                    pad = np.zeros((m - n, self.P))
-                    self.acc, self.reached = np.vstack([self.acc, pad]), np.vstack([self.reached, pad])
+                    self.cnt = np.concatenate([self.cnt, np.zeros((m - n, 2, self.P))])
                 self.row[rid] = self.free.pop()
         out = np.fromiter((self.row[r] for r in rids), dtype=np.int64, count=len(rids))
         self._last = (list(rids), out)
         return out
 
+    def _rates_of_total(self) -> np.ndarray:
+        eps = 1e-6  # a position no longer reached keeps the prior
+        return (self.total[0] + self.prior * eps) / (self.total[1] + eps)
+
     def prior_rates(self) -> np.ndarray:
         """Every request's rate per position (the prior until observed drafts outweigh it)."""
-        eps = 1e-6  # a position no longer reached keeps the prior
-        return (self.total_acc + self.prior * eps) / (self.total_reached + eps)
+        return self._prior_rates
 
     def rates(self, rids: list[str]) -> np.ndarray:
         """``[len(rids), W-1]``: each request's conditional acceptance per position."""
-        r = self.rows(rids)
-        return (self.acc[r] + self.k * self.prior_rates()) / (self.reached[r] + self.k)
+        r = self.rows(rids)  # first: it may grow ``cnt``
+        c = self.cnt[r]
+        return (c[:, 0] + self.k * self._prior_rates) / (c[:, 1] + self.k)
 
     def observe(self, rids: list[str], accepted: list[int], drafts: int, decay: float, global_decay: float) -> None:
         """A step of ``drafts`` drafts per request: position ``i`` (0-based) was reached when the ``i``
         drafts before it were accepted, and accepted when ``accepted > i``."""
-        r, n = self.rows(rids), np.asarray(accepted)
-        acc, reached = self._acc_of[n], self._reached_of[drafts][n]  # [rows, P] each, by table lookup
-        self.acc[r] = decay * self.acc[r] + acc
-        self.reached[r] = decay * self.reached[r] + reached
-        g = global_decay ** len(rids)
+        r, n, add = self.rows(rids), np.asarray(accepted), self._add[drafts]
+        self.cnt[r] = decay * self.cnt[r] + add[n]
         # every request's totals from the histogram of accepted counts, not a sum over rows
         hist = np.bincount(n, minlength=self.P + 1)
-        self.total_acc = g * self.total_acc + self._acc_of.T @ hist
-        self.total_reached = g * self.total_reached + self._reached_of[drafts].T @ hist
+        self.total = global_decay ** len(rids) * self.total + (hist @ add.reshape(len(hist), -1)).reshape(2, -1)
+        self._prior_rates = self._rates_of_total()
 
     def age(self, rids: list[str], decay: float) -> None:
         """A step that saw no drafts of these requests (width 1): their counts fade as if it had, so
         each estimate drifts back toward every request's. Why: a request that lost a few drafts in a
         row and went to width 1 kept its low estimate until the next probe, 32 steps on (on the H200
         at one request, 21% of GSM8K steps drafted where drafting paid 1.26x)."""
-        r = self.rows(rids)
-        self.acc[r] *= decay
-        self.reached[r] *= decay
+        r = self.rows(rids)  # first: it may grow ``cnt``
+        self.cnt[r] *= decay
 
     def forget(self, rid: str) -> None:
         i = self.row.pop(rid, None)
         if i is not None:
             self._last = ([], self._last[1][:0])
-            self.acc[i], self.reached[i] = 0.0, 0.0
+            self.cnt[i] = 0.0
             self.free.append(i)
 
 
@@ -236,7 +234,8 @@ class Planner:
     def expected_by_width(self, rids: list[str]) -> np.ndarray:
         """``[W]``: expected committed tokens of one step at widths ``1 .. W`` (accepted drafts + the
         emitted token), summed over ``rids``."""
-        return _tokens_by_width(self.counts.rates(rids))[:, : self.width].sum(0)
+        reach = np.cumprod(self.counts.rates(rids), axis=1).sum(0)  # expected accepted drafts by position
+        return len(rids) + np.concatenate([[0.0], np.cumsum(reach)])[: self.width]
 
     def expected_tokens(self, rids: list[str], width: int) -> float:
         return float(self.expected_by_width(rids)[width - 1])
