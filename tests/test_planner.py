@@ -589,3 +589,65 @@ def test_width_one_is_probed_only_where_it_could_be_the_better_width():
     assert near.choose(rids, 4) == 1  # the probe
     near.observe(rids, [0] * 4, 1, 4, 0.004)
     assert near.choose(rids, 4) == W  # and back
+
+
+def test_deferred_counts_fold_in_order_and_forget_leaves_no_row():
+    """``observe(defer=True)`` counts the step's cost and width now and its acceptance at ``fold``
+    (the engine's overlap with the next step): the same estimates as folding at once, a choice in
+    between reads the counts as they were, and a forgotten request keeps no row."""
+    now, later = Planner(W, PlannerConfig(mode="auto")), Planner(W, PlannerConfig(mode="auto"))
+    rids = ["a", "b", "c"]
+    for k in range(12):
+        acc = [k % 5, (k + 2) % 5, 4]
+        now.observe(rids, acc, W, 4, 0.01)
+        before = later.expected_by_width(rids)
+        later.observe(rids, acc, W, 4, 0.01, defer=True)
+        assert later.steps == now.steps and later.current == W and later.costs == now.costs
+        assert (later.expected_by_width(rids) == before).all()  # not folded yet
+        later.fold()
+        assert later.expected_by_width(rids) == pytest.approx(now.expected_by_width(rids), abs=0)
+    later.observe(rids, [1, 1, 1], W, 4, 0.01, defer=True)
+    later.forget("b")  # folds the pending step first: "b" is not counted again after it is gone
+    later.fold()
+    assert "b" not in later.counts.row and set(later.counts.row) == {"a", "c"}
+
+
+@pytest.mark.parametrize("runner", ["paged", "static"])
+def test_engine_folds_counts_while_the_step_runs_and_keeps_no_finished_row(llama, runner, monkeypatch):
+    """The engine's planner folds the last step's acceptance inside the runner's step (between its
+    launch and its read-back: hidden behind the device on CUDA), and after every request finished
+    no acceptance row is left behind; output is still the target's greedy one."""
+    t, d = llama
+    eng = LLMEngine(
+        t,
+        d,
+        EngineConfig(
+            max_running_requests=3, num_draft_tokens=W, context_length=128, runner=runner, speculative_planner="auto"
+        ),
+    )
+    inside, folds = {"now": False}, {"in": 0, "out": 0}
+    real_step, real_fold = eng.runner.step, eng.planner.fold
+
+    def step(*a, **k):
+        inside["now"] = True
+        try:
+            return real_step(*a, **k)
+        finally:
+            inside["now"] = False
+
+    def fold():
+        if eng.planner._pending is not None:
+            folds["in" if inside["now"] else "out"] += 1
+        real_fold()
+
+    monkeypatch.setattr(eng.runner, "step", step)
+    monkeypatch.setattr(eng.planner, "fold", fold)
+    prompts = [torch.randint(3, VOCAB, (5 + i,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(5)]
+    reqs = [Request(p, SamplingParams(max_new_tokens=20 + 3 * i)) for i, p in enumerate(prompts)]
+    for r in reqs:
+        eng.add_request(r)
+    eng.run_until_done()
+    assert folds["in"] > 10 and folds["in"] > 5 * folds["out"], folds
+    assert not eng.planner.counts.row  # every finished request's row freed
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == hf_greedy(t, torch.tensor(p), r.sampling.max_new_tokens)

@@ -425,7 +425,7 @@ class LLMEngine:
         width = self.planner.choose(rids, bucket) if drafting else 1  # a request that does not draft: width 1
         sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device)
         try:
-            out = self.runner.step(reqs, sampling, width)
+            out = self.runner.step(reqs, sampling, width, overlap=self.planner.fold)  # the last step's counts
         except Exception as e:  # a failing batch fails its requests, not the server
             log.exception("speculative step failed")
             with self.lock:
@@ -455,8 +455,9 @@ class LLMEngine:
         plain = self.draft is not None and not drafters  # the target alone, no drafter upkeep
         shape = s.step_s_by_shape.setdefault(f"{bucket}x{0 if plain else width}", [0, 0.0])
         shape[0], shape[1] = shape[0] + 1, shape[1] + seconds
-        if drafting or self.draft is None:
-            self.planner.observe(rids, out.num_accepted, width, bucket, seconds)
+        if drafting or self.draft is None:  # counts folded while the next step runs; finished ones are gone
+            live = [(r.request_id, n) for r, n in zip(reqs, out.num_accepted) if not r.finished]
+            self.planner.observe([i for i, _ in live], [n for _, n in live], width, bucket, seconds, defer=True)
         elif plain:
             self.planner.observe_plain(bucket, seconds)
 

@@ -609,7 +609,9 @@ class GraphModelRunner:
         return self.verify_widths
 
     @torch.no_grad()
-    def step(self, reqs: list[Request], sampling: BatchSampling | None, width: int | None = None) -> StepOutput:
+    def step(
+        self, reqs: list[Request], sampling: BatchSampling | None, width: int | None = None, overlap=None
+    ) -> StepOutput:
         """Two replays: the draft block + selector walk writes the drafts beside the anchors in the
         slots' id buffer (and q_draft into its slot buffer); the verify graph runs the target over
         them, writes K/V and draft latents in place, runs the verifier and moves each slot's anchor
@@ -627,6 +629,8 @@ class GraphModelRunner:
         kind = "plain" if w == 1 and self.plain_graphs and not any(r.speculate for r in reqs) else "verify"
         replay, out = self._graph(kind, B, greedy, self._verify_kv(kv_len), w)
         replay()
+        if overlap is not None:  # host work while the GPU runs (replays are asynchronous on CUDA)
+            overlap()
         res = steps.finish_step(out["rows"][idx], t0, t1)
         if steps.wants_logprobs(reqs):
             res.logits = out["logits"][idx]

@@ -112,7 +112,9 @@ class ModelRunner:
 
     # ---- the step -------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, reqs: list[Request], sampling: BatchSampling | None, width: int | None = None) -> StepOutput:
+    def step(
+        self, reqs: list[Request], sampling: BatchSampling | None, width: int | None = None, overlap=None
+    ) -> StepOutput:
         """Draft ``w - 1`` tokens per request, verify ``[anchor, drafts]`` in one target forward, keep
         what the verifier accepted (its K/V into the pool, its features into the draft context).
         ``width`` 1: the target alone this step (no draft forward)."""
@@ -134,6 +136,8 @@ class ModelRunner:
                 mask[b, steps.stop_ids(r.sampling, self.eos)] = True
             logits = steps.suppress_stops(logits, mask, torch.tensor(left, device=logits.device))
         res = steps.accept(logits, drafts, q_draft, sampling, self.block, synthetic=self.synthetic)
+        if overlap is not None:  # (eager: nothing runs meanwhile; called where the graph runner calls it)
+            overlap()
         out = steps.finish_step(steps.result_rows(res), t0, t1)
         out.logits = logits if steps.wants_logprobs(reqs) else None
         self._commit(reqs, kv, feats, [len(t) for t in out.tokens])

@@ -127,6 +127,9 @@ class AcceptanceCounts:
         m = 10 * prior_weight
         self.total = np.stack([np.full(positions, prior * m), np.full(positions, float(m))])  # [2, P]
         self._prior_rates = self._rates_of_total()
+        # every row's P(draft i accepted) (the cumulative product of its rates), kept between steps so
+        # the planner's choice is a gather and a sum; None: to be computed (the counts changed)
+        self._reach: np.ndarray | None = None
         # what a step adds per request, by the step's drafts g and its accepted count n: position i
         # accepted when n > i, reached when n >= i and i < g. Why tables: the per-step update is a
         # gather, not a few comparisons per step (planner host work is a share of a 3 ms step)
@@ -142,6 +145,7 @@ class AcceptanceCounts:
                     n, m = len(self.cnt), max(2 * len(self.cnt), 8)
                     self.free = list(range(m - 1, n - 1, -1))
                     self.cnt = np.concatenate([self.cnt, np.zeros((m - n, 2, self.P))])
+                    self._reach = None
                 self.row[rid] = self.free.pop()
         out = np.fromiter((self.row[r] for r in rids), dtype=np.int64, count=len(rids))
         self._last = (list(rids), out)
@@ -161,6 +165,20 @@ class AcceptanceCounts:
         c = self.cnt[r]
         return (c[:, 0] + self.k * self._prior_rates) / (c[:, 1] + self.k)
 
+    def reach(self, rids: list[str]) -> np.ndarray:
+        """``[len(rids), W-1]``: each request's probability that draft ``i`` is accepted (the
+        cumulative product of its rates), from the table :meth:`refresh` keeps."""
+        r = self.rows(rids)  # first: it may grow ``cnt``
+        if self._reach is None:
+            self.refresh()
+        assert self._reach is not None
+        return self._reach[r]
+
+    def refresh(self) -> None:
+        """Every row's reach, at once (a free row's counts are zero: the prior's)."""
+        c = self.cnt
+        self._reach = np.cumprod((c[:, 0] + self.k * self._prior_rates) / (c[:, 1] + self.k), axis=1)
+
     def observe(self, rids: list[str], accepted: list[int], drafts: int, decay: float, global_decay: float) -> None:
         """A step of ``drafts`` drafts per request: position ``i`` (0-based) was reached when the ``i``
         drafts before it were accepted, and accepted when ``accepted > i``."""
@@ -170,6 +188,7 @@ class AcceptanceCounts:
         hist = np.bincount(n, minlength=self.P + 1)
         self.total = global_decay ** len(rids) * self.total + (hist @ add.reshape(len(hist), -1)).reshape(2, -1)
         self._prior_rates = self._rates_of_total()
+        self._reach = None
 
     def age(self, rids: list[str], decay: float) -> None:
         """A step that saw no drafts of these requests (width 1): their counts fade as if it had, so
@@ -178,6 +197,7 @@ class AcceptanceCounts:
         at one request, 21% of GSM8K steps drafted where drafting paid 1.26x)."""
         r = self.rows(rids)  # first: it may grow ``cnt``
         self.cnt[r] *= decay
+        self._reach = None
 
     def forget(self, rid: str) -> None:
         i = self.row.pop(rid, None)
@@ -185,6 +205,8 @@ class AcceptanceCounts:
             self._last = ([], self._last[1][:0])
             self.cnt[i] = 0.0
             self.free.append(i)
+            if self._reach is not None:  # the row a new request takes reads the prior (no recompute)
+                self._reach[i] = np.cumprod(self._prior_rates)
 
 
 @dataclass
@@ -206,6 +228,7 @@ class Planner:
     # () = 1 and the full width
     widths: tuple[int, ...] = ()
     counts: AcceptanceCounts = field(init=False)  # per request and position
+    _pending: tuple[list[str], list[int], int] | None = None  # a step observed, its counts not folded yet
 
     def __post_init__(self):
         self.counts = AcceptanceCounts(max(self.width - 1, 1), self.cfg.prior, self.cfg.prior_weight)
@@ -234,7 +257,7 @@ class Planner:
     def expected_by_width(self, rids: list[str]) -> np.ndarray:
         """``[W]``: expected committed tokens of one step at widths ``1 .. W`` (accepted drafts + the
         emitted token), summed over ``rids``."""
-        reach = np.cumprod(self.counts.rates(rids), axis=1).sum(0)  # expected accepted drafts by position
+        reach = self.counts.reach(rids).sum(0)  # expected accepted drafts by position
         return len(rids) + np.concatenate([[0.0], np.cumsum(reach)])[: self.width]
 
     def expected_tokens(self, rids: list[str], width: int) -> float:
@@ -361,9 +384,13 @@ class Planner:
             return None
         return other * self.ratio if width == 1 else other / self.ratio
 
-    def observe(self, rids: list[str], accepted: list[int], width: int, bucket: int, seconds: float) -> None:
+    def observe(
+        self, rids: list[str], accepted: list[int], width: int, bucket: int, seconds: float, defer: bool = False
+    ) -> None:
         """One step's outcome: each request's accepted drafts, and the step's wall time (nothing to
-        learn when the width is fixed or pinned: no per-request work on the hot path)."""
+        learn when the width is fixed or pinned: no per-request work on the hot path). ``defer``: the
+        acceptance counts wait for :meth:`fold` (the engine calls it while the GPU runs the next
+        step, so the next choice sees them one step late); the step's cost and width count now."""
         if not self.adapts:
             return
         key, d = (bucket, width), self.cfg.cost_decay
@@ -373,17 +400,34 @@ class Planner:
         self.last_run[width], self.current = self.steps, width
         if (bucket, 1) in self.costs and (bucket, self.width) in self.costs:
             self.ratio = self.costs[(bucket, 1)] / self.costs[(bucket, self.width)]
+        self.fold()  # an earlier deferred step first, in order
+        self._pending = (list(rids), list(accepted), width)
+        if not defer:
+            self.fold()
+
+    def fold(self) -> None:
+        """The deferred step's acceptance into the counts, and every request's reach recomputed for the
+        next choice. Why deferred: on the H200 at T=0 the planner's host work between steps made its
+        steps 2.6-3.9% dearer than the fixed width's (docs/benchmarks.md, twenty-first session); done
+        while the GPU runs the next step, it costs no wall time."""
+        if self._pending is None:
+            return
+        rids, accepted, width = self._pending
+        self._pending = None
         if width > 1:
             self.counts.observe(rids, accepted, width - 1, self.cfg.decay, self.cfg.global_decay)
         else:
             self.counts.age(rids, self.cfg.decay)
+        self.counts.refresh()
 
     def forget(self, rid: str) -> None:
+        self.fold()  # a deferred step that saw this request must not count it again after
         self.counts.forget(rid)
 
     def state(self) -> dict:
         """What the planner knows (benchmark rows): step costs in ms by "bucket x width", every
         request's acceptance per draft position, and the steps run at each width."""
+        self.fold()
         return {
             "cost_ms": {f"{b}x{w}": round(1e3 * t, 3) for (b, w), t in sorted(self.costs.items())},
             "profile_scale": {w: round(x, 3) for w, x in sorted(self.scale.items())},

@@ -235,7 +235,10 @@ class Runner(Protocol):
 
     def prefill(self, req, max_tokens: int | None = None) -> torch.Tensor | None: ...
 
-    def step(self, reqs: list, sampling: BatchSampling | None, width: int | None = None) -> StepOutput: ...
+    # overlap: host work to run while the device computes the step (before its read-back)
+    def step(
+        self, reqs: list, sampling: BatchSampling | None, width: int | None = None, overlap=None
+    ) -> StepOutput: ...
 
     def bucket(self, n: int) -> int: ...  # the batch size a step of n requests is costed under
 
