@@ -182,7 +182,7 @@ class AcceptanceCounts:
     def observe(self, rids: list[str], accepted: list[int], drafts: int, decay: float, global_decay: float) -> None:
         """A step of ``drafts`` drafts per request: position ``i`` (0-based) was reached when the ``i``
         drafts before it were accepted, and accepted when ``accepted > i``."""
-        r, n, add = self.rows(rids), np.asarray(accepted), self._add[drafts]
+        r, n, add = self.rows(rids), np.asarray(accepted, dtype=np.int64), self._add[drafts]
         self.cnt[r] = decay * self.cnt[r] + add[n]
         # every request's totals from the histogram of accepted counts, not a sum over rows
         hist = np.bincount(n, minlength=self.P + 1)
