@@ -1460,7 +1460,11 @@ def main() -> None:
     ap.add_argument("--speed-widths", default="5,8")
     ap.add_argument("--rounds", type=int, default=3, help="speed: rotated repeats per config (rows are noisy)")
     ap.add_argument(
-        "--requests-per-slot", type=int, default=2, help="engine: requests per concurrency slot (more: less cold start)"
+        "--requests-per-slot",
+        type=int,
+        default=8,
+        help="engine: requests per concurrency slot (8: rows of 3-8 s, first wave and drain a small share; at 2 a "
+        "row was 0.3-1.6 s and moved by several percent between calls: docs/benchmarks.md, twenty-first session)",
     )
     ap.add_argument(
         "--prompt-sets", default="gsm8k", help="engine: gsm8k and/or heldout (carry work/recipe/heldout_prompts.jsonl)"

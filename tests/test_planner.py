@@ -610,6 +610,10 @@ def test_deferred_counts_fold_in_order_and_forget_leaves_no_row():
     later.forget("b")  # folds the pending step first: "b" is not counted again after it is gone
     later.fold()
     assert "b" not in later.counts.row and set(later.counts.row) == {"a", "c"}
+    prior = later.counts.prior_rates().copy()
+    later.observe([], [], W, 4, 0.01, defer=True)  # a step whose requests all finished: nothing to count
+    later.fold()
+    assert list(later.counts.prior_rates()) == list(prior) and later.steps == now.steps + 2
 
 
 @pytest.mark.parametrize("runner", ["paged", "static"])
