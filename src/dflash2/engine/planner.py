@@ -162,7 +162,10 @@ class AcceptanceCounts:
     def rates(self, rids: list[str]) -> np.ndarray:
         """``[len(rids), W-1]``: each request's conditional acceptance per position."""
         r = self.rows(rids)  # first: it may grow ``cnt``
-        c = self.cnt[r]
+        return self._rates_of(self.cnt[r])
+
+    def _rates_of(self, c: np.ndarray) -> np.ndarray:
+        """Rows of counts ``[n, 2, P]`` -> their rates, shrunk toward every request's."""
         return (c[:, 0] + self.k * self._prior_rates) / (c[:, 1] + self.k)
 
     def reach(self, rids: list[str]) -> np.ndarray:
@@ -176,8 +179,7 @@ class AcceptanceCounts:
 
     def refresh(self) -> None:
         """Every row's reach, at once (a free row's counts are zero: the prior's)."""
-        c = self.cnt
-        self._reach = np.cumprod((c[:, 0] + self.k * self._prior_rates) / (c[:, 1] + self.k), axis=1)
+        self._reach = np.cumprod(self._rates_of(self.cnt), axis=1)
 
     def observe(self, rids: list[str], accepted: list[int], drafts: int, decay: float, global_decay: float) -> None:
         """A step of ``drafts`` drafts per request: position ``i`` (0-based) was reached when the ``i``
@@ -257,8 +259,7 @@ class Planner:
     def expected_by_width(self, rids: list[str]) -> np.ndarray:
         """``[W]``: expected committed tokens of one step at widths ``1 .. W`` (accepted drafts + the
         emitted token), summed over ``rids``."""
-        reach = self.counts.reach(rids).sum(0)  # expected accepted drafts by position
-        return len(rids) + np.concatenate([[0.0], np.cumsum(reach)])[: self.width]
+        return _tokens_by_width(self.counts.reach(rids).sum(0), len(rids))[: self.width]
 
     def expected_tokens(self, rids: list[str], width: int) -> float:
         return float(self.expected_by_width(rids)[width - 1])
@@ -316,7 +317,7 @@ class Planner:
         cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {self.width}) if w > 1}
         if plain is None or cost[self.width] is None:
             return None
-        tokens = _tokens_by_width(self.counts.prior_rates()[None])[0]
+        tokens = _tokens_by_width(np.cumprod(self.counts.prior_rates()), 1)
         return float(max(tokens[w - 1] / c for w, c in cost.items() if c is not None) * plain)
 
     def retire(self, bucket: int) -> bool:
@@ -436,11 +437,11 @@ class Planner:
         }
 
 
-def _tokens_by_width(rates: np.ndarray) -> np.ndarray:
-    """``[n, P]`` conditional acceptance per draft position -> ``[n, P + 1]`` expected committed tokens
-    of a step at widths ``1 .. P + 1`` (``1 + sum_j prod_{i <= j} rate_i``)."""
-    reach = np.cumprod(rates, axis=1)  # P(draft i accepted)
-    return np.concatenate([np.ones((len(rates), 1)), 1 + np.cumsum(reach, axis=1)], axis=1)
+def _tokens_by_width(reach: np.ndarray, rows: int) -> np.ndarray:
+    """``[P]`` expected accepted drafts by position, summed over ``rows`` requests (each request's
+    ``prod_{i <= j} rate_i``) -> ``[P + 1]`` expected committed tokens of a step at widths ``1 .. P + 1``
+    (every request emits one token, plus its accepted drafts)."""
+    return rows + np.concatenate([[0.0], np.cumsum(reach)])
 
 
 def _cache_dir() -> Path:
