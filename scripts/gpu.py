@@ -700,6 +700,7 @@ def stage_engine(args) -> None:
 
     if not args.check_prompts:  # speed only
         target, draft, _ = models("bfloat16")
+        report["draft_compile_check"] = draft_compile_check(target, draft)
     for dtype in ("float32", "bfloat16")[2 - args.check_dtypes :] if args.check_prompts else ():
         target, draft, _ = models(dtype)
         ids = [render(target.tokenizer, p) for p in prompts[: args.check_prompts]]
@@ -821,6 +822,7 @@ def stage_steps(args) -> None:
     target = TargetModel(tf.LlamaForCausalLM(cfg).to(dev, torch.bfloat16), layer_ids=draft.config.target_layer_ids)
     prompt = torch.randint(100, 40000, (300,)).tolist()
     times: dict = {}
+    kernels: dict = {}
     n = 100 if dev == "cuda" else 2
     samplers = args.sampler_backends.split(",")
     for attention, sampler in [(a, sb) for a in (("sdpa", "live") if dev == "cuda" else ("sdpa",)) for sb in samplers]:
@@ -844,6 +846,9 @@ def stage_steps(args) -> None:
                     key = f"{attention} {sampler} B{B} {'greedy' if greedy else 'T=1'} {kind} w{w}"
                     times[key] = round(replay_ms(step, n), 3)
                     runner.start[:B] = 300  # the verify graph moves positions on
+                    if args.profile and dev == "cuda":
+                        kernels[key] = kernel_table(step.fn)
+                        runner.start[:B] = 300
             del runner
             # the target alone (no drafter): its one-token step, against the DFlash2 runner's width 1
             plain = GraphModelRunner(target, None, 1, B, 1088, cuda_graph=dev == "cuda", attention=attention,
@@ -856,17 +861,175 @@ def stage_steps(args) -> None:
                                               else getattr(sampling, f) for f in BatchSampling.__dataclass_fields__)))  # fmt: skip
             for greedy in (True, False):
                 step, _ = plain._graph("verify", B, greedy, 1088, 1)
-                times[f"{attention} {sampler} B{B} {'greedy' if greedy else 'T=1'} target-alone verify w1"] = round(
-                    replay_ms(step, n), 3
-                )
+                key = f"{attention} {sampler} B{B} {'greedy' if greedy else 'T=1'} target-alone verify w1"
+                times[key] = round(replay_ms(step, n), 3)
                 plain.start[:B] = 300
+                if args.profile and dev == "cuda":
+                    kernels[key] = kernel_table(step.fn)
+                    plain.start[:B] = 300
             del plain
             if dev == "cuda":
                 torch.cuda.empty_cache()
     for k, v in times.items():
         log(f"  {k:<36} {v:.3f} ms")
+    for k, rows in kernels.items():  # where each graph's time goes, by kernel (eager calls of its function)
+        log(f"  {k}: {sum(r[2] for r in rows):.3f} ms of kernels in {sum(r[1] for r in rows)} launches")
+        for name, count, ms in rows[:12]:
+            log(f"    {ms:7.3f} ms {count:4d}x {name[:90]}")
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "steps.json").write_text(json.dumps({"env": info, "replay_ms": times}, indent=1))
+    (OUT / "steps.json").write_text(json.dumps({"env": info, "replay_ms": times, "kernels": kernels}, indent=1))
+
+
+def stage_draft(args) -> None:
+    """The draft graph (block + selector walk) with the draft block eager and through torch.compile,
+    by batch and window prefix (``kv_len`` 512: rows at ~300 positions; 1088: the whole 1,024 window),
+    against the verify graphs of the same runner. Checks the compiled block against the eager one on
+    the same inputs first (hidden states, and the greedy drafts they give). A random SmolLM2-shaped
+    target with the shipped drafter; no stash."""
+    import torch
+    import transformers as tf
+    from dflash2.engine.graph_runner import GraphModelRunner, draft_block
+    from dflash2.engine.request import Request
+    from dflash2.engine.steps import BatchSampling, greedy_walk
+    from dflash2.model.checkpoint import load_draft
+    from dflash2.target import TargetModel
+    from dflash2.verification import SamplingParams
+
+    info = env_report()
+    dev = "cuda"
+    draft = load_draft(ROOT / "models" / "smollm2-135m-dflash2", device=dev, dtype=torch.bfloat16).eval()
+    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    target = TargetModel(tf.LlamaForCausalLM(cfg).to(dev, torch.bfloat16), layer_ids=draft.config.target_layer_ids)
+    prompt = torch.randint(100, 40000, (300,)).tolist()
+    times: dict = {}
+    checks: dict = {}
+    kernels: dict = {}
+    for B in [int(b) for b in args.concurrency.split(",")]:
+        for compiled in (False, True):
+            t0 = time.time()
+            draft._layer_fn = None
+            runner = GraphModelRunner(target, draft, 5, B, 1088, block_verification=True, verify_widths=(1,),
+                                      compile_draft=compiled)  # fmt: skip
+            times[f"B{B} {'compiled' if compiled else 'eager'} start-up s"] = round(time.time() - t0, 1)
+            reqs = [Request(prompt[: 300 - b], SamplingParams()) for b in range(B)]
+            for r in reqs:
+                runner.prefill(r)
+                r.output_ids.append(r.prompt_ids[-1])
+            f32 = dict(dtype=torch.float32, device=dev)
+            sampling = BatchSampling(
+                torch.ones(B, **f32), torch.full((B,), -1, dtype=torch.long, device=dev),
+                torch.full((B,), 0.95, **f32), torch.zeros(B, **f32),
+                torch.rand(B, 4, **f32), torch.rand(B, 4, **f32), torch.rand(B, **f32),
+            )  # fmt: skip
+            runner._load(reqs, sampling)
+            if compiled:
+                for W in (256, 1024):
+                    a = (draft, target.embed, runner.lat, runner.tables[:B], runner.page, runner.ids[:B, 0],
+                         runner.start[:B], runner.ctx_pos[:, :W], 5)  # fmt: skip
+                    with torch.no_grad():
+                        h_c = draft_block(*a)
+                        layer_fn, draft._layer_fn = draft._layer_fn, None
+                        h_e = draft_block(*a)
+                        draft._layer_fn = layer_fn
+                        hw = target.lm_head_weight
+                        same = (greedy_walk(draft, h_c, a[5], hw) == greedy_walk(draft, h_e, a[5], hw)).float().mean()
+                    checks[f"B{B} W{W}"] = {
+                        "max_abs_diff": round((h_c.float() - h_e.float()).abs().max().item(), 5),
+                        "max_abs": round(h_e.float().abs().max().item(), 3),
+                        "greedy_drafts_equal": round(same.item(), 4),
+                    }
+                    log(f"  check B{B} W{W}: {checks[f'B{B} W{W}']}")
+            for greedy in (True, False):
+                mode = "greedy" if greedy else "T=1"
+                kinds = [("draft", 5, 512), ("draft", 5, 1088)]
+                if not compiled:
+                    kinds += [("verify", 5, 1088), ("verify", 1, 1088), ("plain", 1, 1088)]
+                for kind, w, kv in kinds:
+                    step, _ = runner._graph(kind, B, greedy, kv, w)
+                    key = f"B{B} {mode} {kind} w{w} kv{kv}" + (
+                        f" {'compiled' if compiled else 'eager'}" if kind == "draft" else ""
+                    )
+                    times[key] = round(replay_ms(step, 100), 3)
+                    runner.start[:B] = 300
+                    if args.profile and kind == "draft" and kv == 512:
+                        kernels[key] = kernel_table(step.fn)
+                        runner.start[:B] = 300
+            del runner
+            torch.cuda.empty_cache()
+    for k, v in times.items():
+        log(f"  {k:<44} {v}")
+    for k, rows in kernels.items():
+        log(f"  {k}: {sum(r[2] for r in rows):.3f} ms of kernels in {sum(r[1] for r in rows)} launches")
+        for name, count, ms in rows[:8]:
+            log(f"    {ms:7.3f} ms {count:4d}x {name[:90]}")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "draft.json").write_text(
+        json.dumps({"env": info, "replay_ms": times, "checks": checks, "kernels": kernels}, indent=1)
+    )
+
+
+def draft_compile_check(target, draft) -> dict:
+    """The draft block with its layers compiled (as the graph runner runs them on CUDA) against the
+    eager layers, on the same random latents: hidden states, the greedy drafts they give, and the
+    eager / compiled time of the block (synchronised calls, not graphed: the kernels, with launches)."""
+    import torch
+    from dflash2.engine.graph_runner import draft_block
+    from dflash2.engine.steps import greedy_walk
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    c, dev = draft.config, target.device
+    out = {}
+    for B in (1, 8, 64):
+        page, pages, W = 256, 8 * B, 1024
+        lat = torch.randn(c.num_hidden_layers, pages, page, c.kv_lora_rank + c.qk_rope_head_dim, device=dev,
+                          generator=g).to(torch.bfloat16)  # fmt: skip
+        tables = torch.randperm(pages, device=dev, generator=g).view(B, 8).int()
+        anchors = torch.randint(100, 40000, (B,), device=dev, generator=g)
+        apos = torch.randint(100, 900, (B,), device=dev, generator=g)
+        a = (target.embed, lat, tables, page, anchors, apos, torch.arange(W, device=dev)[None], 5)
+        row = {}
+        with torch.no_grad():
+            hidden = {}
+            for mode in ("eager", "compiled"):
+                if mode == "eager":
+                    draft._layer_fn = None
+                else:
+                    draft.compile_layers()
+                hidden[mode] = draft_block(draft, *a)  # (the first compiled call compiles)
+                row[f"{mode}_ms"] = round(replay_ms(lambda: draft_block(draft, *a), 50), 3)
+            h_e, h_c = hidden["eager"].float(), hidden["compiled"].float()
+            hw = target.lm_head_weight
+            same = greedy_walk(draft, hidden["eager"], anchors, hw) == greedy_walk(
+                draft, hidden["compiled"], anchors, hw
+            )
+        row.update(max_abs_diff=round((h_c - h_e).abs().max().item(), 5), max_abs=round(h_e.abs().max().item(), 3),
+                   greedy_drafts_equal=round(same.float().mean().item(), 4))  # fmt: skip
+        log(f"  draft block B={B}: {row}")
+        out[f"B{B}"] = row
+    draft._layer_fn = None  # each engine's runner compiles (reusing these compilations)
+    return out
+
+
+def kernel_table(fn, calls: int = 5) -> list[tuple[str, int, float]]:
+    """``(kernel name, launches, ms)`` per call of ``fn``, slowest first, by torch.profiler's CUDA
+    activity (the eager calls of a captured graph's function run the same kernels)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = [
+        (e.key, e.count // calls, round(e.self_device_time_total / 1e3 / calls, 4))
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0
+    ]
+    return sorted(rows, key=lambda r: -r[2])
 
 
 def stage_prefill(args) -> None:
@@ -1405,6 +1568,7 @@ def main() -> None:
             "attn",
             "hardening",
             "steps",
+            "draft",
             "sampler",
             "layers",
             "prefill",
@@ -1417,6 +1581,7 @@ def main() -> None:
     ap.add_argument("--recipe-device", default="cuda", help="recipe: cpu for a dry run")
     ap.add_argument("--recipe-prompts", default="work/recipe", help="recipe: folder of its prompt files")
     ap.add_argument("--phase", choices=["data", "train"], default="data", help="recipe: which call this is")
+    ap.add_argument("--profile", action="store_true", help="steps: each graph's kernels by torch.profiler")
     ap.add_argument("--sampler-backends", default="sort", help="steps: e.g. sort,triton (the sampled truncation)")
     ap.add_argument("--attn-shapes", default="smollm2,llama8b", help="attn: random targets of these shapes timed")
     ap.add_argument(
@@ -1497,6 +1662,7 @@ def main() -> None:
         "attn": stage_attn,
         "hardening": stage_hardening,
         "steps": stage_steps,
+        "draft": stage_draft,
         "sampler": stage_sampler,
         "layers": stage_layers,
         "prefill": stage_prefill,

@@ -359,3 +359,59 @@ def test_batched_prefill_equals_one_at_a_time(llama, monkeypatch):
             ids.append(int(t.model(torch.tensor([ids])).logits[0, -1].argmax()))
         assert r.output_ids == ids[p.numel() :]
         assert (r.prompt_logprobs != []) == (r.sampling.prompt_logprobs is not None)
+
+
+def _block_inputs(t, d, B, W, seed):
+    g = torch.Generator().manual_seed(seed)
+    cfg = d.config
+    page, pages = 16, 80
+    lat = torch.randn(cfg.num_hidden_layers, pages, page, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=g)
+    tables = torch.randperm(pages, generator=g)[: B * 8].view(B, 8).int()
+    anchors = torch.randint(3, VOCAB, (B,), generator=g)
+    apos = torch.randint(W // 2, 120, (B,), generator=g)  # some rows' windows start before the prompt
+    return d, t.embed, lat, tables, page, anchors, apos, torch.arange(W)[None], 5
+
+
+def test_compiled_draft_layers_equal_eager(llama):
+    """The draft's layers as the graph runner compiles them on CUDA: traced here with the aot_eager
+    backend (no C++ compiler needed), the same hidden states at several batch sizes and window
+    prefixes; a graph break fails ``fullgraph``, a fallback to eager warns (an error here), and the
+    layers share their compilations (few, whatever the shapes)."""
+    import copy
+
+    import torch._dynamo
+
+    from dflash2.engine.graph_runner import draft_block
+
+    t, d = llama
+    compiled = copy.deepcopy(d)
+    compiled.compile_layers(backend="aot_eager")
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i, (B, W) in enumerate([(1, 16), (4, 32), (3, 64), (8, 32), (2, 16)]):
+            args = _block_inputs(t, d, B, W, seed=i)
+            with torch.no_grad():
+                torch.testing.assert_close(draft_block(compiled, *args[1:]), draft_block(*args), rtol=1e-5, atol=1e-5)
+    assert compiled._layer_fn.compiled is not None
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 0 < frames <= 4, frames  # not one per layer, nor one per shape
+
+
+def test_compiled_draft_layers_fall_back_to_eager(llama):
+    import copy
+
+    from dflash2.engine.graph_runner import draft_block
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    t, d = llama
+    compiled = copy.deepcopy(d)
+    compiled.compile_layers(backend=broken)
+    args = _block_inputs(t, d, 2, 16, seed=0)
+    with pytest.warns(UserWarning, match="torch.compile of the draft layer failed"), torch.no_grad():
+        out = draft_block(compiled, *args[1:])
+    with torch.no_grad():
+        torch.testing.assert_close(out, draft_block(*args))
+    assert compiled._layer_fn.compiled is None

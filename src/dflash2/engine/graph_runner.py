@@ -40,6 +40,10 @@ BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # there. With the live kernel (CUDA) the target's verify reads only live keys and has one prefix;
 # the prefixes then bound only the draft's window of context latents.
 KV_BUCKETS = (1024,)
+# With the live kernel the prefixes cost draft graphs only (the verify graphs have one prefix), and
+# the draft attends over its whole window of latents, masked: at positions ~300 of a 1,024 window,
+# 70% of what it gathered and multiplied was masked out.
+KV_BUCKETS_LIVE = (256, 512, 1024)
 KV_BUCKETS_EAGER = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # A new request's prompt, prefilled alone (one request admitted as another finishes: the usual case
 # under continuous batching), is padded to one of these lengths and replayed as a graph: eager, its
@@ -55,6 +59,17 @@ PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
 # captures few (17 shapes, 34 graphs with a drafter); a group of rows past them prefills eagerly.
 PREFILL_ROWS = (1, 4, 16)
 PREFILL_GRAPH_TOKENS = 4096
+
+
+def draft_block(draft, embed, lat, tables, page: int, anchors, apos, ctx_offsets, width: int) -> torch.Tensor:
+    """The draft block's hidden states (:func:`block_hidden`) over the ``W`` latents before each
+    anchor (``ctx_offsets [1, W]`` = 0 .. W-1: its sliding window, or the whole prefix when that is
+    shorter), gathered per row from the pages of ``lat`` through ``tables``: its cost does not grow
+    with the buffer."""
+    ctx_pos = apos[:, None] - ctx_offsets.shape[1] + ctx_offsets  # [B, W]; negative before the prompt
+    at = ctx_pos.clamp(min=0)
+    ctx = lat[:, tables.gather(1, at // page).long(), at % page]  # [layers, B, W, latent]
+    return block_hidden(draft, embed, anchors, apos, ctx, ctx_pos, ctx_pos >= 0, width)
 
 
 class Replay:
@@ -131,10 +146,12 @@ class GraphModelRunner:
         num_pages: int | None = None,
         synthetic_acceptance: tuple[float, ...] | None = None,
         sampler: str = "auto",
+        compile_draft: bool = True,
     ):
         """``page_size`` / ``num_pages``: KV (target and draft) in a pool of pages that requests
         take as they grow (the scheduler's :class:`BlockManager`), read through per-slot block tables
-        on the device; without them each slot holds ``max_len`` positions (the one-slot engine)."""
+        on the device; without them each slot holds ``max_len`` positions (the one-slot engine).
+        ``compile_draft``: the draft block through ``torch.compile`` where the graphs are captured."""
         self.target, self.draft, self.w, self.max_len = target, draft, width, max_len
         # the widths a step may verify (the planner's choices): the full one, and 1 = the target alone
         self.verify_widths = tuple(sorted(set(verify_widths) | {width}))
@@ -174,9 +191,13 @@ class GraphModelRunner:
         )
         self.synced = [0] * num_slots  # table entries written per slot
         self.buckets = [b for b in BUCKETS if b < num_slots] + [num_slots]
-        kv_buckets = kv_buckets or (KV_BUCKETS if self.use_graph else KV_BUCKETS_EAGER)
-        self.kv_buckets = sorted({b for b in kv_buckets if b < max_len} | {max_len})
         self.live = attention == "live"
+        kv_buckets = kv_buckets or (
+            (KV_BUCKETS_LIVE if self.live else KV_BUCKETS) if self.use_graph else KV_BUCKETS_EAGER
+        )
+        self.kv_buckets = sorted({b for b in kv_buckets if b < max_len} | {max_len})
+        if draft is not None and compile_draft and self.use_graph:
+            draft.compile_layers()
         lng = dict(dtype=torch.long, device=dev)
         self.ids = torch.zeros(num_slots, width, **lng)  # per slot: [anchor, drafts...]
         self.start = torch.zeros(num_slots, **lng)  # per slot: the anchor's position
@@ -484,14 +505,13 @@ class GraphModelRunner:
         self.start[:B] = (self.start[:B] + n + 1).clamp_(max=self.max_len - self.w)
 
     def _draft_fn(self, B: int, greedy: bool, kv_len: int, out: dict) -> None:
-        """The draft reads the ``W`` latents before each anchor (its sliding window, or the whole
-        prefix when that is shorter), gathered per row: its cost does not grow with the buffer."""
-        d, w = self.draft, self.w
-        apos = self.start[:B]
-        W = min(d.config.sliding_window, kv_len)
-        ctx_pos = apos[:, None] - W + self.ctx_pos[:, :W]  # [B, W]; negative before the prompt's start
-        ctx = self.lat[(slice(None), *self._at(B, ctx_pos.clamp(min=0)))]  # [layers, B, W, latent]
-        hidden = block_hidden(d, self.target.embed, self.ids[:B, 0], apos, ctx, ctx_pos, ctx_pos >= 0, w)
+        """The draft block over each row's window of latents (at most the prefix ``kv_len``), then the
+        selector's walk; the drafts go beside the anchors in the slots' id buffer."""
+        d, W = self.draft, min(self.draft.config.sliding_window, kv_len)
+        hidden = draft_block(
+            d, self.target.embed, self.lat, self.tables[:B], self.page, self.ids[:B, 0], self.start[:B],
+            self.ctx_pos[:, :W], self.w,
+        )  # fmt: skip
         tokens, q = steps.propose(
             d, hidden, self.ids[:B, 0], self.target.lm_head_weight, self._rows(B, greedy), capturable=True
         )

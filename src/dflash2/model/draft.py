@@ -8,6 +8,7 @@ from torch import nn
 
 from ..config import DFlash2Config
 from .attention import MLAttention, RMSNorm
+from .compiled import CompiledOrEager
 from .conv import BlockConv
 from .cpu_linear import check_quantization, lm_head_matmul, pack_linears, packed_or_none
 from .rope import RotaryEmbedding
@@ -44,6 +45,9 @@ class DraftLayer(nn.Module):
         return x + self.mlp_conv.finish(self.mlp(h), k_m, width)
 
 
+_COMPILED_LAYER: dict = {}  # DraftLayer.forward through torch.compile, by backend (see compile_layers)
+
+
 class DFlash2DraftModel(nn.Module):
     def __init__(self, cfg: DFlash2Config):
         super().__init__()
@@ -58,6 +62,7 @@ class DFlash2DraftModel(nn.Module):
         self.candidate_selector = CandidateSelector(H, cfg.vocab_size, cfg.selector_rank, cfg.selector_top_k)
         self._token_map = None  # (ids, head rows of ids, the full head, packed rows or None); see set_token_map
         self._quantization = "none"  # of the CPU-packed Linears; see pack_cpu_linears
+        self._layer_fn = None  # DraftLayer.forward through torch.compile; see compile_layers
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> "DFlash2DraftModel":
         """Random init for training or tests (normal linears, unit norms, identity convs, top-1 selector)."""
@@ -101,9 +106,21 @@ class DFlash2DraftModel(nn.Module):
         """Block rows ``[B, N*width, H]`` (N blocks of ``[anchor, MASK...]`` embeddings) -> final-normed
         hidden states. ``ctx_latents [num_layers, B, Tc, D]``; ``mask [B, N*width, Tc + N*width]``."""
         x = block_embeds.to(self.fc.weight.dtype)
+        fn = self._layer_fn or DraftLayer.__call__
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, ctx_latents[i], mask, width)
+            x = fn(layer, x, positions, ctx_latents[i], mask, width)
         return self.norm(x)
+
+    def compile_layers(self, backend="inductor") -> None:
+        """Run each layer's forward through ``torch.compile`` (one compiled graph shared by the
+        layers: their parameters are its inputs). Why: eager, the 4-layer draft block was ~590
+        kernel launches, most of them tiny elementwise ops (fp32 norms, block convolutions, RoPE),
+        1.4 ms of a 2.9 ms batch-1 step on the H200 (docs/benchmarks.md, twenty-second session).
+        Compiling the layer, not the whole block, keeps the compile short: one layer's graph, a few
+        shapes. The graph runner calls it on CUDA; eager elsewhere."""
+        if backend not in _COMPILED_LAYER:  # one per process: engines built later reuse its compilations
+            _COMPILED_LAYER[backend] = CompiledOrEager(DraftLayer.forward, "the draft layer", backend)
+        self._layer_fn = _COMPILED_LAYER[backend]
 
     def set_token_map(self, ids: torch.Tensor | None, lm_head_weight: torch.Tensor | None = None) -> None:
         """Score only ``ids`` (see ``token_map.py``); the rest of the vocabulary gets -inf. ``None``: all."""
