@@ -888,7 +888,7 @@ def stage_draft(args) -> None:
     target with the shipped drafter; no stash."""
     import torch
     import transformers as tf
-    from dflash2.engine.graph_runner import GraphModelRunner, draft_block
+    from dflash2.engine.graph_runner import GraphModelRunner, paged_block_hidden
     from dflash2.engine.request import Request
     from dflash2.engine.steps import BatchSampling, greedy_walk
     from dflash2.model.checkpoint import load_draft
@@ -909,7 +909,7 @@ def stage_draft(args) -> None:
     for B in [int(b) for b in args.concurrency.split(",")]:
         for compiled in (False, True):
             t0 = time.time()
-            draft._layer_fn = None
+            draft.compile_off()
             runner = GraphModelRunner(target, draft, 5, B, 1088, block_verification=True, verify_widths=(1,),
                                       compile_draft=compiled)  # fmt: skip
             times[f"B{B} {'compiled' if compiled else 'eager'} start-up s"] = round(time.time() - t0, 1)
@@ -929,10 +929,10 @@ def stage_draft(args) -> None:
                     a = (draft, target.embed, runner.lat, runner.tables[:B], runner.page, runner.ids[:B, 0],
                          runner.start[:B], runner.ctx_pos[:, :W], 5)  # fmt: skip
                     with torch.no_grad():
-                        h_c = draft_block(*a)
-                        layer_fn, draft._layer_fn = draft._layer_fn, None
-                        h_e = draft_block(*a)
-                        draft._layer_fn = layer_fn
+                        h_c = paged_block_hidden(*a)
+                        draft.compile_off()
+                        h_e = paged_block_hidden(*a)
+                        draft.compile_layers()
                         hw = target.lm_head_weight
                         same = (greedy_walk(draft, h_c, a[5], hw) == greedy_walk(draft, h_e, a[5], hw)).float().mean()
                     checks[f"B{B} W{W}"] = {
@@ -975,7 +975,7 @@ def draft_compile_check(target, draft) -> dict:
     eager layers, on the same random latents: hidden states, the greedy drafts they give, and the
     eager / compiled time of the block (synchronised calls, not graphed: the kernels, with launches)."""
     import torch
-    from dflash2.engine.graph_runner import draft_block
+    from dflash2.engine.graph_runner import paged_block_hidden
     from dflash2.engine.steps import greedy_walk
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -994,21 +994,29 @@ def draft_compile_check(target, draft) -> dict:
             hidden = {}
             for mode in ("eager", "compiled"):
                 if mode == "eager":
-                    draft._layer_fn = None
+                    draft.compile_off()
                 else:
                     draft.compile_layers()
-                hidden[mode] = draft_block(draft, *a)  # (the first compiled call compiles)
-                row[f"{mode}_ms"] = round(replay_ms(lambda: draft_block(draft, *a), 50), 3)
+                hidden[mode] = paged_block_hidden(draft, *a)  # (the first compiled call compiles)
+                row[f"{mode}_ms"] = round(replay_ms(lambda: paged_block_hidden(draft, *a), 50), 3)
             h_e, h_c = hidden["eager"].float(), hidden["compiled"].float()
             hw = target.lm_head_weight
             same = greedy_walk(draft, hidden["eager"], anchors, hw) == greedy_walk(
                 draft, hidden["compiled"], anchors, hw
             )
+            feats = torch.randn(B, 5, draft.fc.in_features, device=dev, generator=g).to(torch.bfloat16)
+            pos = apos[:, None] + torch.arange(5, device=dev)
+            rows = {}
+            for mode in ("eager", "compiled"):
+                draft.compile_off() if mode == "eager" else draft.compile_layers()
+                rows[mode] = draft.step_rows(feats, pos).float()
         row.update(max_abs_diff=round((h_c - h_e).abs().max().item(), 5), max_abs=round(h_e.abs().max().item(), 3),
-                   greedy_drafts_equal=round(same.float().mean().item(), 4))  # fmt: skip
+                   greedy_drafts_equal=round(same.float().mean().item(), 4),
+                   rows_max_abs_diff=round((rows["compiled"] - rows["eager"]).abs().max().item(), 5),
+                   rows_max_abs=round(rows["eager"].abs().max().item(), 3))  # fmt: skip
         log(f"  draft block B={B}: {row}")
         out[f"B{B}"] = row
-    draft._layer_fn = None  # each engine's runner compiles (reusing these compilations)
+    draft.compile_off()  # each engine's runner compiles (reusing these compilations)
     return out
 
 

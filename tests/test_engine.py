@@ -381,7 +381,7 @@ def test_compiled_draft_layers_equal_eager(llama):
 
     import torch._dynamo
 
-    from dflash2.engine.graph_runner import draft_block
+    from dflash2.engine.graph_runner import paged_block_hidden
 
     t, d = llama
     compiled = copy.deepcopy(d)
@@ -392,16 +392,25 @@ def test_compiled_draft_layers_equal_eager(llama):
         for i, (B, W) in enumerate([(1, 16), (4, 32), (3, 64), (8, 32), (2, 16)]):
             args = _block_inputs(t, d, B, W, seed=i)
             with torch.no_grad():
-                torch.testing.assert_close(draft_block(compiled, *args[1:]), draft_block(*args), rtol=1e-5, atol=1e-5)
-    assert compiled._layer_fn.compiled is not None
+                torch.testing.assert_close(
+                    paged_block_hidden(compiled, *args[1:]), paged_block_hidden(*args), rtol=1e-5, atol=1e-5
+                )
+        for B, w in [(1, 5), (4, 5), (8, 5), (2, 1), (8, 1)]:  # a verify step's latents (step_rows)
+            feats = torch.randn(B, w, d.fc.in_features)
+            pos = torch.randint(0, 100, (B, 1)) + torch.arange(w)
+            with torch.no_grad():
+                torch.testing.assert_close(compiled.step_rows(feats, pos), d.context_rows(feats, pos))
+    assert compiled._layer_fn.compiled is not None and compiled._rows_fn.compiled is not None
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert 0 < frames <= 4, frames  # not one per layer, nor one per shape
+    assert 0 < frames <= 8, frames  # not one per layer, nor one per shape
+    compiled.compile_off()
+    assert compiled._layer_fn is None and compiled._rows_fn is None
 
 
 def test_compiled_draft_layers_fall_back_to_eager(llama):
     import copy
 
-    from dflash2.engine.graph_runner import draft_block
+    from dflash2.engine.graph_runner import paged_block_hidden
 
     def broken(gm, example_inputs):
         raise RuntimeError("no compiler here")
@@ -411,7 +420,7 @@ def test_compiled_draft_layers_fall_back_to_eager(llama):
     compiled.compile_layers(backend=broken)
     args = _block_inputs(t, d, 2, 16, seed=0)
     with pytest.warns(UserWarning, match="torch.compile of the draft layer failed"), torch.no_grad():
-        out = draft_block(compiled, *args[1:])
+        out = paged_block_hidden(compiled, *args[1:])
     with torch.no_grad():
-        torch.testing.assert_close(out, draft_block(*args))
+        torch.testing.assert_close(out, paged_block_hidden(*args))
     assert compiled._layer_fn.compiled is None

@@ -655,3 +655,27 @@ def test_engine_folds_counts_while_the_step_runs_and_keeps_no_finished_row(llama
     assert not eng.planner.counts.row  # every finished request's row freed
     for p, r in zip(prompts, reqs):
         assert r.output_ids == hf_greedy(t, torch.tensor(p), r.sampling.max_new_tokens)
+
+
+def test_a_cost_measured_long_ago_falls_back_to_the_profile():
+    """A shape's measured cost not refreshed in ``stale_after`` steps is dropped, with its part of the
+    live scale: a few plain steps at a transition (dear) do not price the target alone for the rest of
+    the run, which would keep a batch drafting at a loss. Given costs never expire."""
+    p = Planner(W, PlannerConfig(mode="auto", stale_after=100))
+    p.profile.update({(8, 0): 0.010, (8, W): 0.020})
+    rids = [f"r{i}" for i in range(8)]
+    p.observe_plain(8, 0.021)  # at a transition: 2.1x its profile
+    p.costs[(16, 0)] = 0.5  # given
+    for _ in range(100):
+        p.observe(rids, [1] * 8, W, 8, 0.024)  # drafting runs at 1.2x its profile
+    assert p.cost(8, 0) == pytest.approx(0.021)  # 100 steps old: still measured
+    assert p.state()["profile_scale"] == {0: pytest.approx(2.1), W: pytest.approx(1.2)}
+    for _ in range(8):  # expiry is checked every retire_every (8) steps
+        p.observe(rids, [1] * 8, W, 8, 0.024)
+    assert (8, 0) not in p.costs and p.cost(8, 0) == pytest.approx(0.010 * 1.2)  # borrows drafting's scale
+    assert p.state()["profile_scale"] == {W: pytest.approx(1.2)}
+    assert p.cost(8, W) == pytest.approx(0.024) and p.costs[(16, 0)] == 0.5
+    p.observe_plain(8, 0.011)  # run again: measured again
+    assert p.cost(8, 0) == pytest.approx(0.011)
+    with pytest.raises(ValueError, match="stale_after"):
+        PlannerConfig(stale_after=0)

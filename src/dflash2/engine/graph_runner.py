@@ -61,7 +61,7 @@ PREFILL_ROWS = (1, 4, 16)
 PREFILL_GRAPH_TOKENS = 4096
 
 
-def draft_block(draft, embed, lat, tables, page: int, anchors, apos, ctx_offsets, width: int) -> torch.Tensor:
+def paged_block_hidden(draft, embed, lat, tables, page: int, anchors, apos, ctx_offsets, width: int) -> torch.Tensor:
     """The draft block's hidden states (:func:`block_hidden`) over the ``W`` latents before each
     anchor (``ctx_offsets [1, W]`` = 0 .. W-1: its sliding window, or the whole prefix when that is
     shorter), gathered per row from the pages of ``lat`` through ``tables``: its cost does not grow
@@ -485,7 +485,7 @@ class GraphModelRunner:
         ):  # every row's latent at its position (rows past the accepted ones stay masked)
             pos = self.start[:B, None] + self.ar[:w]
             page, off = self._at(B, pos)
-            self.lat[:, page, off] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
+            self.lat[:, page, off] = self.draft.step_rows(feats, pos).to(self.lat.dtype)
         res = steps.accept(
             logits,
             self.ids[:B, 1:w],
@@ -508,7 +508,7 @@ class GraphModelRunner:
         """The draft block over each row's window of latents (at most the prefix ``kv_len``), then the
         selector's walk; the drafts go beside the anchors in the slots' id buffer."""
         d, W = self.draft, min(self.draft.config.sliding_window, kv_len)
-        hidden = draft_block(
+        hidden = paged_block_hidden(
             d, self.target.embed, self.lat, self.tables[:B], self.page, self.ids[:B, 0], self.start[:B],
             self.ctx_pos[:, :W], self.w,
         )  # fmt: skip

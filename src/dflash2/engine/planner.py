@@ -95,6 +95,11 @@ class PlannerConfig:
     # drafting's break-even is checked every this many steps (retirement is for good, so a few steps
     # late costs little; checked every step it was ~15-35 us of host work a step on the CPU)
     retire_every: int = 8
+    # a measured step cost not refreshed in this many steps is dropped: its shape reads the profile
+    # times the live scale again. Why: on the H200 at 8 requests, T=1, the target alone's cost came
+    # from a few steps at a transition (2.11 ms, where its steps cost 1.68) and priced width 0 for the
+    # rest of the run, so the planner drafted at a loss (docs/benchmarks.md, twenty-first session)
+    stale_after: int = 256
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -103,9 +108,10 @@ class PlannerConfig:
             v = getattr(self, name)
             if not 0 <= v < 1 + (name == "hysteresis") * 9:
                 raise ValueError(f"planner {name} out of range: {v}")
-        if self.retire_every < 1 or self.probe_every < 1:
+        if min(self.retire_every, self.probe_every, self.stale_after) < 1:
             raise ValueError(
-                f"planner retire_every and probe_every must be >= 1: {self.retire_every}, {self.probe_every}"
+                "planner retire_every, probe_every and stale_after must be >= 1: "
+                f"{self.retire_every}, {self.probe_every}, {self.stale_after}"
             )
 
 
@@ -225,6 +231,7 @@ class Planner:
     current: int = 0  # the width of the last step (0: none yet)
     steps: int = 0
     last_run: dict[int, int] = field(default_factory=dict)  # width -> the step it last ran
+    measured_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, width) -> step of its last run
     ratio: float | None = None  # cost(width 1) / cost(full width), latest seen
     # the widths a step can run (the runner's: every width eagerly, the captured ones in graphs);
     # () = 1 and the full width
@@ -339,9 +346,27 @@ class Planner:
     def observe_plain(self, bucket: int, seconds: float) -> None:
         """A step of requests that do not draft: the target alone's cost at ``bucket`` (width 0)."""
         if self.adapts:
-            key, d = (bucket, 0), self.cfg.cost_decay
-            self.costs[key] = seconds if key not in self.costs else d * self.costs[key] + (1 - d) * seconds
-            self._rescale(key)
+            self._measure((bucket, 0), seconds)
+
+    def _measure(self, key: tuple[int, int], seconds: float) -> None:
+        d = self.cfg.cost_decay
+        self.costs[key] = seconds if key not in self.costs else d * self.costs[key] + (1 - d) * seconds
+        self.measured_at[key] = self.steps
+        self._rescale(key)
+
+    def _expire(self) -> None:
+        """Drop the measured costs not refreshed in ``stale_after`` steps (given ones stay), and their
+        part of the live scale."""
+        for key in [k for k, at in self.measured_at.items() if self.steps - at > self.cfg.stale_after]:
+            del self.costs[key], self.measured_at[key]
+            r = self._log_ratio.get(key[1], {})
+            if r.pop(key[0], None) is not None:
+                if r:
+                    self.scale[key[1]] = math.exp(sum(r.values()) / len(r))
+                else:
+                    del self.scale[key[1]], self._log_ratio[key[1]]
+                logs = [math.log(v) for v in self.scale.values()]
+                self._borrowed = math.exp(sum(logs) / len(logs)) if logs else 1.0
 
     def _rescale(self, key: tuple[int, int]) -> None:
         """``scale[width]``: the geometric mean, over the shapes of this width that ran, of their live
@@ -394,10 +419,10 @@ class Planner:
         step, so the next choice sees them one step late); the step's cost and width count now."""
         if not self.adapts:
             return
-        key, d = (bucket, width), self.cfg.cost_decay
-        self.costs[key] = seconds if key not in self.costs else d * self.costs[key] + (1 - d) * seconds
-        self._rescale(key)
+        self._measure((bucket, width), seconds)
         self.steps += 1
+        if self.steps % self.cfg.retire_every == 0:
+            self._expire()
         self.last_run[width], self.current = self.steps, width
         if (bucket, 1) in self.costs and (bucket, self.width) in self.costs:
             self.ratio = self.costs[(bucket, 1)] / self.costs[(bucket, self.width)]

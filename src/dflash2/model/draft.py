@@ -45,7 +45,8 @@ class DraftLayer(nn.Module):
         return x + self.mlp_conv.finish(self.mlp(h), k_m, width)
 
 
-_COMPILED_LAYER: dict = {}  # DraftLayer.forward through torch.compile, by backend (see compile_layers)
+# DraftLayer.forward and DFlash2DraftModel.context_rows through torch.compile, by backend (compile_layers)
+_COMPILED: dict = {}
 
 
 class DFlash2DraftModel(nn.Module):
@@ -63,6 +64,7 @@ class DFlash2DraftModel(nn.Module):
         self._token_map = None  # (ids, head rows of ids, the full head, packed rows or None); see set_token_map
         self._quantization = "none"  # of the CPU-packed Linears; see pack_cpu_linears
         self._layer_fn = None  # DraftLayer.forward through torch.compile; see compile_layers
+        self._rows_fn = None  # context_rows through torch.compile, for step_rows
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> "DFlash2DraftModel":
         """Random init for training or tests (normal linears, unit norms, identity convs, top-1 selector)."""
@@ -94,6 +96,15 @@ class DFlash2DraftModel(nn.Module):
             return self.context_rows(target_features[None], positions[None])[:, 0]
         return self.context_latents(self.fuse(target_features), positions)
 
+    def step_rows(self, target_features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`context_rows` of a verify step's block rows ``[B, w, K*H]``, compiled after
+        :meth:`compile_layers` (eager, ~120 small kernels: 0.24 ms of a 1.4 ms batch-1 verify graph on
+        the H200, docs/benchmarks.md, twenty-second session). Only the graph runner's captured
+        verify calls it: their shapes are all met at start-up, so no compile happens while serving."""
+        if self._rows_fn is None:
+            return self.context_rows(target_features, positions)
+        return self._rows_fn(self, target_features, positions)
+
     # ---- block ------------------------------------------------------------------------------
     def forward(
         self,
@@ -117,10 +128,18 @@ class DFlash2DraftModel(nn.Module):
         kernel launches, most of them tiny elementwise ops (fp32 norms, block convolutions, RoPE),
         1.4 ms of a 2.9 ms batch-1 step on the H200 (docs/benchmarks.md, twenty-second session).
         Compiling the layer, not the whole block, keeps the compile short: one layer's graph, a few
-        shapes. The graph runner calls it on CUDA; eager elsewhere."""
-        if backend not in _COMPILED_LAYER:  # one per process: engines built later reuse its compilations
-            _COMPILED_LAYER[backend] = CompiledOrEager(DraftLayer.forward, "the draft layer", backend)
-        self._layer_fn = _COMPILED_LAYER[backend]
+        shapes. :meth:`step_rows` (a verify step's latents) compiles too. The graph runner calls it on
+        CUDA; eager elsewhere."""
+        if backend not in _COMPILED:  # one per process: engines built later reuse its compilations
+            _COMPILED[backend] = (
+                CompiledOrEager(DraftLayer.forward, "the draft layer", backend),
+                CompiledOrEager(DFlash2DraftModel.context_rows, "the draft's context rows", backend),
+            )
+        self._layer_fn, self._rows_fn = _COMPILED[backend]
+
+    def compile_off(self) -> None:
+        """Back to the eager layers and rows (a reference for :meth:`compile_layers`)."""
+        self._layer_fn = self._rows_fn = None
 
     def set_token_map(self, ids: torch.Tensor | None, lm_head_weight: torch.Tensor | None = None) -> None:
         """Score only ``ids`` (see ``token_map.py``); the rest of the vocabulary gets -inf. ``None``: all."""
