@@ -1009,7 +1009,7 @@ def draft_compile_check(target, draft) -> dict:
             rows = {}
             for mode in ("eager", "compiled"):
                 draft.compile_off() if mode == "eager" else draft.compile_layers()
-                rows[mode] = draft.step_rows(feats, pos).float()
+                rows[mode] = draft.graph_rows(feats, pos).float()
         row.update(max_abs_diff=round((h_c - h_e).abs().max().item(), 5), max_abs=round(h_e.abs().max().item(), 3),
                    greedy_drafts_equal=round(same.float().mean().item(), 4),
                    rows_max_abs_diff=round((rows["compiled"] - rows["eager"]).abs().max().item(), 5),

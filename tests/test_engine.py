@@ -395,11 +395,12 @@ def test_compiled_draft_layers_equal_eager(llama):
                 torch.testing.assert_close(
                     paged_block_hidden(compiled, *args[1:]), paged_block_hidden(*args), rtol=1e-5, atol=1e-5
                 )
-        for B, w in [(1, 5), (4, 5), (8, 5), (2, 1), (8, 1)]:  # a verify step's latents (step_rows)
+        # the captured graphs' latents (graph_rows): verify steps' block rows, padded prefill chunks
+        for B, w in [(1, 5), (4, 5), (8, 5), (2, 1), (8, 1), (1, 32), (4, 64)]:
             feats = torch.randn(B, w, d.fc.in_features)
             pos = torch.randint(0, 100, (B, 1)) + torch.arange(w)
             with torch.no_grad():
-                torch.testing.assert_close(compiled.step_rows(feats, pos), d.context_rows(feats, pos))
+                torch.testing.assert_close(compiled.graph_rows(feats, pos), d.context_rows(feats, pos))
     assert compiled._layer_fn.compiled is not None and compiled._rows_fn.compiled is not None
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert 0 < frames <= 8, frames  # not one per layer, nor one per shape

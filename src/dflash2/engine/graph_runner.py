@@ -439,7 +439,7 @@ class GraphModelRunner:
         if latents:
             pos = self.ctx_pos[:, :L].expand(R, L)
             page, off = table.gather(1, pos // self.page).long(), pos % self.page
-            self.lat[:, page, off] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
+            self.lat[:, page, off] = self.draft.graph_rows(feats, pos).to(self.lat.dtype)
         out["logits"] = logits
 
     def _prefill_padded(self, chunks: list[tuple[Request, int]]) -> list[torch.Tensor | None] | None:
@@ -485,7 +485,7 @@ class GraphModelRunner:
         ):  # every row's latent at its position (rows past the accepted ones stay masked)
             pos = self.start[:B, None] + self.ar[:w]
             page, off = self._at(B, pos)
-            self.lat[:, page, off] = self.draft.step_rows(feats, pos).to(self.lat.dtype)
+            self.lat[:, page, off] = self.draft.graph_rows(feats, pos).to(self.lat.dtype)
         res = steps.accept(
             logits,
             self.ids[:B, 1:w],

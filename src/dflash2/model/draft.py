@@ -64,7 +64,7 @@ class DFlash2DraftModel(nn.Module):
         self._token_map = None  # (ids, head rows of ids, the full head, packed rows or None); see set_token_map
         self._quantization = "none"  # of the CPU-packed Linears; see pack_cpu_linears
         self._layer_fn = None  # DraftLayer.forward through torch.compile; see compile_layers
-        self._rows_fn = None  # context_rows through torch.compile, for step_rows
+        self._rows_fn = None  # context_rows through torch.compile, for graph_rows
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> "DFlash2DraftModel":
         """Random init for training or tests (normal linears, unit norms, identity convs, top-1 selector)."""
@@ -96,11 +96,12 @@ class DFlash2DraftModel(nn.Module):
             return self.context_rows(target_features[None], positions[None])[:, 0]
         return self.context_latents(self.fuse(target_features), positions)
 
-    def step_rows(self, target_features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """:meth:`context_rows` of a verify step's block rows ``[B, w, K*H]``, compiled after
-        :meth:`compile_layers` (eager, ~120 small kernels: 0.24 ms of a 1.4 ms batch-1 verify graph on
-        the H200, docs/benchmarks.md, twenty-second session). Only the graph runner's captured
-        verify calls it: their shapes are all met at start-up, so no compile happens while serving."""
+    def graph_rows(self, target_features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`context_rows` of ``[B, T, K*H]`` features (a verify step's block rows, or padded
+        prefill chunks), compiled after :meth:`compile_layers` (eager, ~120 small kernels: 0.24 ms of a
+        1.4 ms batch-1 verify graph on the H200, docs/benchmarks.md, twenty-second session). Only the
+        graph runner's captured functions call it: their shapes are all met at start-up, so nothing
+        compiles while serving (the eager prefill paths keep :meth:`context_rows`)."""
         if self._rows_fn is None:
             return self.context_rows(target_features, positions)
         return self._rows_fn(self, target_features, positions)
@@ -128,7 +129,7 @@ class DFlash2DraftModel(nn.Module):
         kernel launches, most of them tiny elementwise ops (fp32 norms, block convolutions, RoPE),
         1.4 ms of a 2.9 ms batch-1 step on the H200 (docs/benchmarks.md, twenty-second session).
         Compiling the layer, not the whole block, keeps the compile short: one layer's graph, a few
-        shapes. :meth:`step_rows` (a verify step's latents) compiles too. The graph runner calls it on
+        shapes. :meth:`graph_rows` (the captured graphs' latents) compiles too. The graph runner calls it on
         CUDA; eager elsewhere."""
         if backend not in _COMPILED:  # one per process: engines built later reuse its compilations
             _COMPILED[backend] = (
