@@ -94,6 +94,55 @@ def test_random_shape_models():
     assert next(target.model.parameters()).dtype == torch.bfloat16 and VOCAB
 
 
+def test_shapes_are_the_real_models_sizes():
+    """Each named shape has its real model's parameter count (built on the meta device: no memory)."""
+    import transformers as tf
+
+    from dflash2.benchmark.shapes import SHAPES, target_config
+
+    expect = {  # parameters, as the real checkpoints have them
+        "smollm2-135m": (134_515_008, "LlamaForCausalLM"),
+        "llama-1b": (1_235_814_400, "LlamaForCausalLM"),
+        "llama-8b": (8_030_261_248, "LlamaForCausalLM"),
+        "kimi-linear-48b-a3b": (49_133_074_464, "KimiLinearForCausalLM"),
+    }
+    assert set(SHAPES) == set(expect)
+    for name, (params, cls) in expect.items():
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(target_config(name))
+        assert type(model).__name__ == cls and sum(p.numel() for p in model.parameters()) == params, name
+    cfg = target_config("kimi-linear-48b-a3b")  # the hybrid: 3 linear-attention layers to 1 MLA, 8 of 256 experts
+    assert cfg.layer_types.count("full_attention") == 6 and cfg.num_experts_per_token == 8
+
+
+def test_hybrid_shape_builds_a_target_and_drafter(monkeypatch):
+    """The hybrid shape's path (its config class, the drafter at its width and vocabulary, the target
+    wrapped with its recurrent-state recorder), at a tiny size; the engine steps it with synthetic
+    acceptance."""
+    from dflash2.benchmark import shapes
+
+    tiny = dict(config_class="KimiLinearConfig", **_KIMI_TINY)
+    monkeypatch.setitem(shapes.SHAPES, "kimi-tiny", tiny)
+    target, draft = shapes.random_models("kimi-tiny", "cpu", torch.float32, 5, None)
+    assert type(target.model).__name__ == "KimiLinearForCausalLM"
+    assert draft.config.hidden_size == 32 and draft.config.vocab_size == VOCAB
+    assert target.layer_ids == draft.config.target_layer_ids and max(target.layer_ids) < 4
+    eng = LLMEngine(target, draft, EngineConfig(num_draft_tokens=5, synthetic_acceptance=(0.9,), context_length=64))
+    req = Request([5, 6, 7, 8], SamplingParams(max_new_tokens=12))
+    eng.add_request(req)
+    eng.run_until_done()
+    assert req.finish_reason == "length" and len(req.output_ids) == 12 and eng.stats.drafts_proposed > 0
+
+
+_KIMI_TINY = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=4, moe_intermediate_size=16, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+    v_head_dim=8, qk_nope_head_dim=8, num_experts=4, num_experts_per_token=2, num_shared_experts=1,
+    linear_head_dim=8, linear_num_heads=4, first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+)  # fmt: skip
+
+
 def test_bench_flags_refuse_misuse():
     from test_cli import run
 

@@ -1,5 +1,6 @@
 """Random-weight models of real shapes, for speed at sizes we cannot download (``bench speed
---target-shape``): a Llama-family target built in process from its config, and a drafter of the
+--target-shape``): a target built in process from its config (Llama family, or the Kimi-Linear hybrid
+of linear attention, MLA and mixture-of-experts: the card's target family), and a drafter of the
 published DFlash2 architecture (``configs/kimi-k3.1-dflash2-preview.json``) at the target's hidden
 size and vocabulary. Timing does not depend on the weights; acceptance does, so these runs take
 ``--synthetic-acceptance`` (random drafts are never accepted)."""
@@ -28,7 +29,22 @@ SHAPES: dict[str, dict] = {
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, rope_theta=500000.0,
     ),
+    # Kimi-Linear-48B-A3B: transformers' KimiLinearConfig defaults are its shape (27 layers, hidden
+    # 2,304, three Kimi-delta-attention layers to one MLA layer, 256 experts of which 8 run per token,
+    # 49.1 B parameters). Served by the paged eager runner (the static forward is dense-Llama only).
+    "kimi-linear-48b-a3b": dict(config_class="KimiLinearConfig"),
 }  # fmt: skip
+
+
+def target_config(name: str):
+    """The transformers config of shape ``name`` (no weights)."""
+    import transformers as tf
+
+    shape = dict(SHAPES[name])
+    cls = getattr(tf, shape.pop("config_class", "LlamaConfig"))
+    if cls is tf.LlamaConfig:
+        shape.setdefault("max_position_embeddings", 131072)
+    return cls(**shape)
 
 
 def random_models(name: str, device: str, dtype: torch.dtype, width: int, tokenizer, seed: int = 0):
@@ -43,19 +59,19 @@ def random_models(name: str, device: str, dtype: torch.dtype, width: int, tokeni
 
     if name not in SHAPES:
         raise SystemExit(f"--target-shape {name!r}: known shapes are {', '.join(SHAPES)}")
-    shape = SHAPES[name]
-    layers = shape["num_hidden_layers"]
+    cfg = target_config(name)
+    layers = cfg.num_hidden_layers
     raw = json.loads(PUBLISHED_DRAFT.read_text())
     published_ids = raw["dflash_config"]["target_layer_ids"]
     ids = sorted({min(layers - 1, round(i * layers / raw["num_target_layers"])) for i in published_ids})
-    raw.update(hidden_size=shape["hidden_size"], vocab_size=shape["vocab_size"], num_target_layers=layers)
-    raw["dflash_config"].update(target_layer_ids=ids, block_size=width, mask_token_id=shape["vocab_size"] - 1)
+    raw.update(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_target_layers=layers)
+    raw["dflash_config"].update(target_layer_ids=ids, block_size=width, mask_token_id=cfg.vocab_size - 1)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in the run's dtype on its device: no float32 copy of 16 GB
     try:
         with torch.device(device):
-            model = tf.LlamaForCausalLM(tf.LlamaConfig(max_position_embeddings=131072, **shape)).eval()
+            model = tf.AutoModelForCausalLM.from_config(cfg).eval()
             draft = DFlash2DraftModel(DFlash2Config.from_dict(raw)).init_weights().eval()
     finally:
         torch.set_default_dtype(previous)
