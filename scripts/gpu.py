@@ -827,8 +827,11 @@ def stage_steps(args) -> None:
     samplers = args.sampler_backends.split(",")
     for attention, sampler in [(a, sb) for a in (("sdpa", "live") if dev == "cuda" else ("sdpa",)) for sb in samplers]:
         for B in [int(b) for b in args.concurrency.split(",")]:
+            if args.eager_draft:
+                draft.compile_off()
             runner = GraphModelRunner(target, draft, 5, B, 1088, cuda_graph=dev == "cuda", block_verification=True,
-                                      attention=attention, verify_widths=(1,), sampler=sampler)  # fmt: skip
+                                      attention=attention, verify_widths=(1,), sampler=sampler,
+                                      compile_draft=not args.eager_draft)  # fmt: skip
             reqs = [Request(prompt[: 300 - b], SamplingParams()) for b in range(B)]
             for r in reqs:
                 runner.prefill(r)
@@ -878,96 +881,6 @@ def stage_steps(args) -> None:
             log(f"    {ms:7.3f} ms {count:4d}x {name[:90]}")
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "steps.json").write_text(json.dumps({"env": info, "replay_ms": times, "kernels": kernels}, indent=1))
-
-
-def stage_draft(args) -> None:
-    """The draft graph (block + selector walk) with the draft block eager and through torch.compile,
-    by batch and window prefix (``kv_len`` 512: rows at ~300 positions; 1088: the whole 1,024 window),
-    against the verify graphs of the same runner. Checks the compiled block against the eager one on
-    the same inputs first (hidden states, and the greedy drafts they give). A random SmolLM2-shaped
-    target with the shipped drafter; no stash."""
-    import torch
-    import transformers as tf
-    from dflash2.engine.graph_runner import GraphModelRunner, paged_block_hidden
-    from dflash2.engine.request import Request
-    from dflash2.engine.steps import BatchSampling, greedy_walk
-    from dflash2.model.checkpoint import load_draft
-    from dflash2.target import TargetModel
-    from dflash2.verification import SamplingParams
-
-    info = env_report()
-    dev = "cuda"
-    draft = load_draft(ROOT / "models" / "smollm2-135m-dflash2", device=dev, dtype=torch.bfloat16).eval()
-    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)  # fmt: skip
-    torch.manual_seed(0)
-    target = TargetModel(tf.LlamaForCausalLM(cfg).to(dev, torch.bfloat16), layer_ids=draft.config.target_layer_ids)
-    prompt = torch.randint(100, 40000, (300,)).tolist()
-    times: dict = {}
-    checks: dict = {}
-    kernels: dict = {}
-    for B in [int(b) for b in args.concurrency.split(",")]:
-        for compiled in (False, True):
-            t0 = time.time()
-            draft.compile_off()
-            runner = GraphModelRunner(target, draft, 5, B, 1088, block_verification=True, verify_widths=(1,),
-                                      compile_draft=compiled)  # fmt: skip
-            times[f"B{B} {'compiled' if compiled else 'eager'} start-up s"] = round(time.time() - t0, 1)
-            reqs = [Request(prompt[: 300 - b], SamplingParams()) for b in range(B)]
-            for r in reqs:
-                runner.prefill(r)
-                r.output_ids.append(r.prompt_ids[-1])
-            f32 = dict(dtype=torch.float32, device=dev)
-            sampling = BatchSampling(
-                torch.ones(B, **f32), torch.full((B,), -1, dtype=torch.long, device=dev),
-                torch.full((B,), 0.95, **f32), torch.zeros(B, **f32),
-                torch.rand(B, 4, **f32), torch.rand(B, 4, **f32), torch.rand(B, **f32),
-            )  # fmt: skip
-            runner._load(reqs, sampling)
-            if compiled:
-                for W in (256, 1024):
-                    a = (draft, target.embed, runner.lat, runner.tables[:B], runner.page, runner.ids[:B, 0],
-                         runner.start[:B], runner.ctx_pos[:, :W], 5)  # fmt: skip
-                    with torch.no_grad():
-                        h_c = paged_block_hidden(*a)
-                        draft.compile_off()
-                        h_e = paged_block_hidden(*a)
-                        draft.compile_layers()
-                        hw = target.lm_head_weight
-                        same = (greedy_walk(draft, h_c, a[5], hw) == greedy_walk(draft, h_e, a[5], hw)).float().mean()
-                    checks[f"B{B} W{W}"] = {
-                        "max_abs_diff": round((h_c.float() - h_e.float()).abs().max().item(), 5),
-                        "max_abs": round(h_e.float().abs().max().item(), 3),
-                        "greedy_drafts_equal": round(same.item(), 4),
-                    }
-                    log(f"  check B{B} W{W}: {checks[f'B{B} W{W}']}")
-            for greedy in (True, False):
-                mode = "greedy" if greedy else "T=1"
-                kinds = [("draft", 5, 512), ("draft", 5, 1088)]
-                if not compiled:
-                    kinds += [("verify", 5, 1088), ("verify", 1, 1088), ("plain", 1, 1088)]
-                for kind, w, kv in kinds:
-                    step, _ = runner._graph(kind, B, greedy, kv, w)
-                    key = f"B{B} {mode} {kind} w{w} kv{kv}" + (
-                        f" {'compiled' if compiled else 'eager'}" if kind == "draft" else ""
-                    )
-                    times[key] = round(replay_ms(step, 100), 3)
-                    runner.start[:B] = 300
-                    if args.profile and kind == "draft" and kv == 512:
-                        kernels[key] = kernel_table(step.fn)
-                        runner.start[:B] = 300
-            del runner
-            torch.cuda.empty_cache()
-    for k, v in times.items():
-        log(f"  {k:<44} {v}")
-    for k, rows in kernels.items():
-        log(f"  {k}: {sum(r[2] for r in rows):.3f} ms of kernels in {sum(r[1] for r in rows)} launches")
-        for name, count, ms in rows[:8]:
-            log(f"    {ms:7.3f} ms {count:4d}x {name[:90]}")
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "draft.json").write_text(
-        json.dumps({"env": info, "replay_ms": times, "checks": checks, "kernels": kernels}, indent=1)
-    )
 
 
 def draft_compile_check(target, draft) -> dict:
@@ -1576,7 +1489,6 @@ def main() -> None:
             "attn",
             "hardening",
             "steps",
-            "draft",
             "sampler",
             "layers",
             "prefill",
@@ -1590,6 +1502,7 @@ def main() -> None:
     ap.add_argument("--recipe-prompts", default="work/recipe", help="recipe: folder of its prompt files")
     ap.add_argument("--phase", choices=["data", "train"], default="data", help="recipe: which call this is")
     ap.add_argument("--profile", action="store_true", help="steps: each graph's kernels by torch.profiler")
+    ap.add_argument("--eager-draft", action="store_true", help="steps: the draft's layers and latents eager")
     ap.add_argument("--sampler-backends", default="sort", help="steps: e.g. sort,triton (the sampled truncation)")
     ap.add_argument("--attn-shapes", default="smollm2,llama8b", help="attn: random targets of these shapes timed")
     ap.add_argument(
@@ -1670,7 +1583,6 @@ def main() -> None:
         "attn": stage_attn,
         "hardening": stage_hardening,
         "steps": stage_steps,
-        "draft": stage_draft,
         "sampler": stage_sampler,
         "layers": stage_layers,
         "prefill": stage_prefill,

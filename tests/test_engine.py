@@ -408,6 +408,27 @@ def test_compiled_draft_layers_equal_eager(llama):
     assert compiled._layer_fn is None and compiled._rows_fn is None
 
 
+def test_compiled_draft_layers_compile_past_dynamos_default_limit(llama):
+    """Engines of several widths in one process: each width is its own compilation (and batch 1 its
+    own), more than dynamo's default 8, past which it would run the layers eagerly without a word."""
+    import copy
+
+    import torch._dynamo
+
+    from dflash2.engine.graph_runner import paged_block_hidden
+
+    t, d = llama
+    compiled = copy.deepcopy(d)
+    compiled.compile_layers(backend="aot_eager")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for width in (2, 3, 4, 5, 6, 7, 8):
+            for B in (1, 3):
+                args = _block_inputs(t, d, B, 16, seed=width)[:-1] + (width,)
+                paged_block_hidden(compiled, *args[1:])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 8
+
+
 def test_compiled_draft_layers_fall_back_to_eager(llama):
     import copy
 

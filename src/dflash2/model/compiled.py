@@ -7,6 +7,9 @@ import warnings
 import torch
 
 
+RECOMPILE_LIMIT = 64
+
+
 class CompiledOrEager:
     """``fn`` through ``torch.compile`` (Inductor fuses runs of small elementwise ops into one
     Triton kernel), falling back to ``fn`` itself, with a warning, if compiling fails: the eager
@@ -17,6 +20,11 @@ class CompiledOrEager:
     def __init__(self, fn, name: str, backend="inductor"):
         self.fn, self.name = fn, name
         self.compiled = torch.compile(fn, backend=backend, fullgraph=True)
+        # the draft's width is a Python int (a guard): engines of several widths in one process (bench
+        # speed --widths 5,8) and the batch-1 specialisations took more than the default 8 compilations,
+        # past which dynamo runs the function eagerly without a word
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
 
     def __call__(self, *args):
         if self.compiled is not None:
