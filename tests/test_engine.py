@@ -441,6 +441,10 @@ def test_compiled_draft_layers_fall_back_to_eager(llama):
     compiled = copy.deepcopy(d)
     compiled.compile_layers(backend=broken)
     args = _block_inputs(t, d, 2, 16, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # with grad (training): the eager layers, no compile tried
+        paged_block_hidden(compiled, *args[1:]).sum().backward()
+        compiled.graph_rows(torch.randn(1, 5, d.fc.in_features), torch.arange(5)[None])
     with pytest.warns(UserWarning, match="torch.compile of the draft layer failed"), torch.no_grad():
         out = paged_block_hidden(compiled, *args[1:])
     with torch.no_grad():

@@ -151,7 +151,8 @@ class GraphModelRunner:
         """``page_size`` / ``num_pages``: KV (target and draft) in a pool of pages that requests
         take as they grow (the scheduler's :class:`BlockManager`), read through per-slot block tables
         on the device; without them each slot holds ``max_len`` positions (the one-slot engine).
-        ``compile_draft``: the draft block through ``torch.compile`` where the graphs are captured."""
+        ``compile_draft``: the draft's layers and latents through ``torch.compile`` where the graphs
+        are captured (:meth:`DFlash2DraftModel.compile_layers`)."""
         self.target, self.draft, self.w, self.max_len = target, draft, width, max_len
         # the widths a step may verify (the planner's choices): the full one, and 1 = the target alone
         self.verify_widths = tuple(sorted(set(verify_widths) | {width}))

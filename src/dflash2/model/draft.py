@@ -102,7 +102,7 @@ class DFlash2DraftModel(nn.Module):
         1.4 ms batch-1 verify graph on the H200, docs/benchmarks.md, twenty-second session). Only the
         graph runner's captured functions call it: their shapes are all met at start-up, so nothing
         compiles while serving (the eager prefill paths keep :meth:`context_rows`)."""
-        if self._rows_fn is None:
+        if self._rows_fn is None or torch.is_grad_enabled():
             return self.context_rows(target_features, positions)
         return self._rows_fn(self, target_features, positions)
 
@@ -118,7 +118,8 @@ class DFlash2DraftModel(nn.Module):
         """Block rows ``[B, N*width, H]`` (N blocks of ``[anchor, MASK...]`` embeddings) -> final-normed
         hidden states. ``ctx_latents [num_layers, B, Tc, D]``; ``mask [B, N*width, Tc + N*width]``."""
         x = block_embeds.to(self.fc.weight.dtype)
-        fn = self._layer_fn or DraftLayer.__call__
+        # compiled for inference only: a model that served from the graph runner still trains eagerly
+        fn = self._layer_fn if self._layer_fn is not None and not torch.is_grad_enabled() else DraftLayer.__call__
         for i, layer in enumerate(self.layers):
             x = fn(layer, x, positions, ctx_latents[i], mask, width)
         return self.norm(x)
