@@ -115,6 +115,9 @@ def test_engine_speed_rows(tmp_path):
         r.speedup = r.tokens_per_s / rows[0].tokens_per_s
         rows.append(r)
     assert all(r.output_tokens == 3 * 8 for r in rows[1:]) and rows[1].verify_ms_per_step > 0
+    # host time outside the runner's step: some, and less than the whole step
+    step_ms = [r.draft_ms_per_step + r.verify_ms_per_step + r.overhead_ms_per_step for r in rows]
+    assert all(0 < r.host_ms_per_step < ms for r, ms in zip(rows, step_ms))
     save(rows, tmp_path / "s.json", tmp_path / "s.png")
     assert "dflash2 w=5 block" in table(rows) and (tmp_path / "s.png").stat().st_size > 1000
 

@@ -40,6 +40,9 @@ class ConcurrencyRow:
     planner_state: dict = field(default_factory=dict)
     # mean live step ms and step count by "bucket x width" (width 0: the target alone beside a drafter)
     step_ms_by_shape: dict = field(default_factory=dict)
+    # of a step: host time outside the runner's step (the planner's choice before it, observation and
+    # bookkeeping after), where a fixed width and the planner differ
+    host_ms_per_step: float = 0.0
 
 
 def measure(
@@ -121,6 +124,7 @@ def measure(
         prefill_seconds=s.prefill_s,
         planner_state=eng.planner.state() if eng.planner.adapts else {},
         step_ms_by_shape={k: [n, round(1e3 * t / n, 3)] for k, (n, t) in sorted(s.step_s_by_shape.items())},
+        host_ms_per_step=1e3 * s.host_s / steps,
     )
 
 
@@ -153,6 +157,7 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
         prefill_seconds=sum(r.prefill_seconds for r in rows),
         planner_state=rows[-1].planner_state,
         step_ms_by_shape=rows[-1].step_ms_by_shape,
+        host_ms_per_step=avg("host_ms_per_step"),
     )
 
 

@@ -153,6 +153,7 @@ class EngineStats:
     draft_s: float = 0.0  # time in draft forward + selector
     verify_s: float = 0.0  # time in the target verify forward
     step_s: float = 0.0  # whole batched steps (prefills excluded)
+    host_s: float = 0.0  # of step_s: outside runner.step (the planner before it, bookkeeping after)
     prefill_s: float = 0.0  # prefill chunks, first tokens included
     steps_by_width: dict[int, int] = field(default_factory=dict)  # the planner's choices
     # "bucket x width" -> [steps, seconds] (width 0: the target alone, no drafter upkeep); what the
@@ -424,6 +425,7 @@ class LLMEngine:
         drafting = drafters > 0 and drafters == len(reqs)
         width = self.planner.choose(rids, bucket) if drafting else 1  # a request that does not draft: width 1
         sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device)
+        t_run = time.perf_counter()
         try:
             out = self.runner.step(reqs, sampling, width, overlap=self.planner.fold)  # the last step's counts
         except Exception as e:  # a failing batch fails its requests, not the server
@@ -432,6 +434,7 @@ class LLMEngine:
                 for r in reqs:
                     self._finish(r, "error", f"{type(e).__name__}: {e}")
             return
+        t_back = time.perf_counter()
         s = self.stats
         for b, (r, tokens, n) in enumerate(zip(reqs, out.tokens, out.num_accepted)):
             if r.sampling.logprobs is not None and out.logits is not None:
@@ -460,6 +463,7 @@ class LLMEngine:
             self.planner.observe([i for i, _ in live], [n for _, n in live], width, bucket, seconds, defer=True)
         elif plain:
             self.planner.observe_plain(bucket, seconds)
+        s.host_s += (t_run - t0) + (time.perf_counter() - t_back)
 
     def _prefill_some(self) -> None:
         """Up to ``chunked_prefill_size`` prompt tokens, oldest admitted first; a request whose prompt
