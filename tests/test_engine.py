@@ -450,3 +450,31 @@ def test_compiled_draft_layers_fall_back_to_eager(llama):
     with torch.no_grad():
         torch.testing.assert_close(out, paged_block_hidden(*args))
     assert compiled._layer_fn.compiled is None
+
+
+def test_disable_torch_compile_reaches_the_runner(llama, monkeypatch):
+    """``--disable-torch-compile`` is parsed by every command that builds an engine and reaches the
+    graph runner, which then runs the draft eagerly even where an earlier engine compiled it."""
+    import copy
+
+    from dflash2.cli import build_parser
+    from dflash2.engine import engine as engine_mod
+
+    for cmd in (["serve"], ["run"], ["generate", "--prompt", "x"], ["bench", "speed"], ["bench", "acceptance"]):
+        assert build_parser().parse_args([*cmd, "--disable-torch-compile"]).disable_torch_compile, cmd
+        assert not build_parser().parse_args(cmd).disable_torch_compile
+    seen = []
+
+    class Spy(GraphModelRunner):
+        def __init__(self, *a, **kw):
+            seen.append(kw["compile_draft"])
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(engine_mod, "GraphModelRunner", Spy)
+    t, d = llama
+    d = copy.deepcopy(d)
+    for off in (True, False):
+        d.compile_layers(backend="aot_eager")
+        LLMEngine(t, d, EngineConfig(max_running_requests=1, disable_torch_compile=off))
+        assert d._layer_fn is None  # on the CPU the runner never compiles; an earlier compile is undone
+    assert seen == [False, True]

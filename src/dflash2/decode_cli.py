@@ -26,6 +26,7 @@ def one_slot_engine(target, draft, width: int, args, max_tokens: int):
         max_running_requests=1,
         block_verification=args.speculative_use_block_verification,
         disable_cuda_graph=args.disable_cuda_graph,
+        disable_torch_compile=args.disable_torch_compile,
         attention_backend=args.attention_backend,
         sampler_backend=args.sampler_backend,
         chunked_prefill_size=-1,

@@ -108,6 +108,12 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
         "Graphs need a dense full-attention Llama/Qwen/Mistral target; others run eagerly anyway",
     )
     ap.add_argument(
+        "--disable-torch-compile",
+        action="store_true",
+        help="on CUDA with graphs: run the drafter's layers and context latents eagerly instead of through "
+        "torch.compile (on by default there: it roughly halves the draft's graph time; start-up compiles ~20 s)",
+    )
+    ap.add_argument(
         "--attention-backend",
         default="auto",
         choices=["auto", "triton", "torch_native"],

@@ -108,6 +108,7 @@ class EngineBackend:
                 max_running_requests=args.max_running_requests,
                 block_verification=args.speculative_use_block_verification,
                 disable_cuda_graph=args.disable_cuda_graph,
+                disable_torch_compile=args.disable_torch_compile,
                 attention_backend=args.attention_backend,
                 sampler_backend=args.sampler_backend,
                 speculative_planner="off",  # acceptance at the loaded width: a width-1 step would count as AL 1

@@ -135,6 +135,7 @@ def cmd_speed(args) -> int:
     target, draft, width = shape_models(args) if args.target_shape else load_models(args)
     engine_kw = {
         "disable_cuda_graph": args.disable_cuda_graph,
+        "disable_torch_compile": args.disable_torch_compile,
         "attention_backend": args.attention_backend,
         "synthetic_acceptance": args.synthetic_acceptance,
         "sampler_backend": args.sampler_backend,

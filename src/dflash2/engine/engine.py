@@ -62,6 +62,8 @@ class EngineConfig:
     page_size: int = 16
     runner: str = "auto"  # auto: static buffers + CUDA graphs where they apply, else paged
     disable_cuda_graph: bool = False  # SGLang's flag: the paged runner on CUDA too (static: eager)
+    # the graph runner's draft layers and latents through torch.compile (CUDA only); this turns it off
+    disable_torch_compile: bool = False
     chunked_prefill_size: int | None = None  # SGLang's flag: prompt tokens per step (-1: whole prompts;
     #                                      None: 256 on the CPU, 2048 on CUDA; docs/benchmarks.md, chunked prefill)
     stall_s: float = 120.0  # /health fails when the loop has work but has not come round for this long
@@ -254,6 +256,7 @@ class LLMEngine:
                 num_pages=pages,
                 synthetic_acceptance=cfg.synthetic_acceptance,
                 sampler=cfg.sampler_backend,
+                compile_draft=not cfg.disable_torch_compile,
             )
         pool = BlockManager(cfg.max_total_tokens // cfg.page_size, cfg.page_size)
         return ModelRunner(target, self.draft, pool, self.width, cfg.block_verification, cfg.synthetic_acceptance)

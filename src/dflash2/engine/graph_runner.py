@@ -199,6 +199,8 @@ class GraphModelRunner:
         self.kv_buckets = sorted({b for b in kv_buckets if b < max_len} | {max_len})
         if draft is not None and compile_draft and self.use_graph:
             draft.compile_layers()
+        elif draft is not None:  # eager, even where an earlier engine in the process compiled it
+            draft.compile_off()
         lng = dict(dtype=torch.long, device=dev)
         self.ids = torch.zeros(num_slots, width, **lng)  # per slot: [anchor, drafts...]
         self.start = torch.zeros(num_slots, **lng)  # per slot: the anchor's position

@@ -161,6 +161,7 @@ def cmd_serve(args) -> int:
         max_total_tokens=kv_budget_tokens(args, target),
         page_size=args.page_size,
         disable_cuda_graph=args.disable_cuda_graph,
+        disable_torch_compile=args.disable_torch_compile,
         attention_backend=args.attention_backend,
         sampler_backend=args.sampler_backend,
         runner=args.model_runner,
