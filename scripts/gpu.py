@@ -827,8 +827,6 @@ def stage_steps(args) -> None:
     samplers = args.sampler_backends.split(",")
     for attention, sampler in [(a, sb) for a in (("sdpa", "live") if dev == "cuda" else ("sdpa",)) for sb in samplers]:
         for B in [int(b) for b in args.concurrency.split(",")]:
-            if args.eager_draft:
-                draft.compile_off()
             runner = GraphModelRunner(target, draft, 5, B, 1088, cuda_graph=dev == "cuda", block_verification=True,
                                       attention=attention, verify_widths=(1,), sampler=sampler,
                                       compile_draft=not args.eager_draft)  # fmt: skip

@@ -61,14 +61,18 @@ PREFILL_ROWS = (1, 4, 16)
 PREFILL_GRAPH_TOKENS = 4096
 
 
+def page_of(tables: torch.Tensor, pos: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page and offset of positions ``pos [B, n]`` through block tables ``tables [B, pages]``."""
+    return tables.gather(1, pos // page).long(), pos % page
+
+
 def paged_block_hidden(draft, embed, lat, tables, page: int, anchors, apos, ctx_offsets, width: int) -> torch.Tensor:
     """The draft block's hidden states (:func:`block_hidden`) over the ``W`` latents before each
     anchor (``ctx_offsets [1, W]`` = 0 .. W-1: its sliding window, or the whole prefix when that is
     shorter), gathered per row from the pages of ``lat`` through ``tables``: its cost does not grow
     with the buffer."""
     ctx_pos = apos[:, None] - ctx_offsets.shape[1] + ctx_offsets  # [B, W]; negative before the prompt
-    at = ctx_pos.clamp(min=0)
-    ctx = lat[:, tables.gather(1, at // page).long(), at % page]  # [layers, B, W, latent]
+    ctx = lat[(slice(None), *page_of(tables, ctx_pos.clamp(min=0), page))]  # [layers, B, W, latent]
     return block_hidden(draft, embed, anchors, apos, ctx, ctx_pos, ctx_pos >= 0, width)
 
 
@@ -378,10 +382,6 @@ class GraphModelRunner:
                     self.stop_mask[s, steps.stop_ids(req.sampling, self.eos)] = True
             self.owed[s], self.owed_host[s] = left, left
 
-    def _at(self, B: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Page and offset of positions ``pos [B, n]`` of slots ``0 .. B-1``."""
-        return self.tables[:B].gather(1, pos // self.page).long(), pos % self.page
-
     # ---- the captured functions ---------------------------------------------------------------
     def _graph(self, kind: str, B: int, greedy: bool, kv_len: int, width: int = 0) -> tuple[Replay, dict]:
         """The buckets' graph (captured at start-up on CUDA; eager functions otherwise). ``width``:
@@ -441,7 +441,7 @@ class GraphModelRunner:
         logits, feats = self.static.forward(self.pf_ids[:R, :L], zero, kv_len=L, tables=table, last=self.pf_last[:R])
         if latents:
             pos = self.ctx_pos[:, :L].expand(R, L)
-            page, off = table.gather(1, pos // self.page).long(), pos % self.page
+            page, off = page_of(table, pos, self.page)
             self.lat[:, page, off] = self.draft.graph_rows(feats, pos).to(self.lat.dtype)
         out["logits"] = logits
 
@@ -487,7 +487,7 @@ class GraphModelRunner:
             self.draft is not None and latents
         ):  # every row's latent at its position (rows past the accepted ones stay masked)
             pos = self.start[:B, None] + self.ar[:w]
-            page, off = self._at(B, pos)
+            page, off = page_of(self.tables[:B], pos, self.page)
             self.lat[:, page, off] = self.draft.graph_rows(feats, pos).to(self.lat.dtype)
         res = steps.accept(
             logits,

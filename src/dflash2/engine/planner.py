@@ -359,23 +359,26 @@ class Planner:
         part of the live scale."""
         for key in [k for k, at in self.measured_at.items() if self.steps - at > self.cfg.stale_after]:
             del self.costs[key], self.measured_at[key]
-            r = self._log_ratio.get(key[1], {})
-            if r.pop(key[0], None) is not None:
-                if r:
-                    self.scale[key[1]] = math.exp(sum(r.values()) / len(r))
-                else:
-                    del self.scale[key[1]], self._log_ratio[key[1]]
-                logs = [math.log(v) for v in self.scale.values()]
-                self._borrowed = math.exp(sum(logs) / len(logs)) if logs else 1.0
+            if self._log_ratio.get(key[1], {}).pop(key[0], None) is not None:
+                self._rescore(key[1])
 
     def _rescale(self, key: tuple[int, int]) -> None:
         """``scale[width]``: the geometric mean, over the shapes of this width that ran, of their live
         cost over their profiled one (``key`` has just run)."""
         if self.profile.get(key):
-            r = self._log_ratio.setdefault(key[1], {})
-            r[key[0]] = math.log(self.costs[key] / self.profile[key])
-            self.scale[key[1]] = math.exp(sum(r.values()) / len(r))
-            self._borrowed = math.exp(sum(map(math.log, self.scale.values())) / len(self.scale))
+            self._log_ratio.setdefault(key[1], {})[key[0]] = math.log(self.costs[key] / self.profile[key])
+            self._rescore(key[1])
+
+    def _rescore(self, width: int) -> None:
+        """``scale[width]`` and the borrowed mean from the log ratios (a width with none left has no scale)."""
+        r = self._log_ratio.get(width)
+        if r:
+            self.scale[width] = math.exp(sum(r.values()) / len(r))
+        else:
+            self.scale.pop(width, None)
+            self._log_ratio.pop(width, None)
+        logs = [math.log(v) for v in self.scale.values()]
+        self._borrowed = math.exp(sum(logs) / len(logs)) if logs else 1.0
 
     def _scale_of(self, width: int) -> float:
         """Live / profiled for ``width``; a width with no run shape yet borrows the geometric mean of
