@@ -842,7 +842,9 @@ def stage_steps(args) -> None:
             )  # fmt: skip
             runner._load(reqs, sampling)
             for greedy in (True, False):
-                for kind, w in (("draft", 5), ("verify", 5), ("verify", 1)):
+                # plain: width 1 of requests that do not draft (no latent writes), the auto planner's
+                # target-alone step, against the target-alone engine's own verify w1 below
+                for kind, w in (("draft", 5), ("verify", 5), ("verify", 1), ("plain", 1)):
                     step, _ = runner._graph(kind, B, greedy, 1088, w)
                     key = f"{attention} {sampler} B{B} {'greedy' if greedy else 'T=1'} {kind} w{w}"
                     times[key] = round(replay_ms(step, n), 3)

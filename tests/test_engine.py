@@ -308,6 +308,46 @@ def test_request_arriving_after_admission_is_not_failed(llama):
         assert b.finish_reason == "length" and len(b.output_ids) == 3
 
 
+@pytest.mark.parametrize("runner", ["paged", "static"])
+def test_prefill_runs_inside_the_decode_step(llama, runner, monkeypatch):
+    """A request admitted while others decode is prefilled inside the runner's step (its overlap:
+    on CUDA, while the device computes the step), its first token read after the step's own read-back
+    and emitted in the same engine step; nothing is prefilled outside a step while requests decode,
+    and every output still equals the target's greedy one."""
+    t, d = llama
+    eng = LLMEngine(t, d, EngineConfig(max_running_requests=2, num_draft_tokens=4, context_length=128,
+                                       runner=runner, speculative_planner="off"))  # fmt: skip
+    in_step, where = [False], []
+    real_step, real_chunks = eng.runner.step, eng._prefill_chunks
+
+    def step(*a, **k):
+        in_step[0] = True
+        try:
+            return real_step(*a, **k)
+        finally:
+            in_step[0] = False
+
+    def chunks(c):
+        decoding = [r for r in eng.scheduler.running if r.output_ids and not r.finished]
+        where.append((in_step[0], bool(decoding), [r.request_id for r, _ in c]))
+        return real_chunks(c)
+
+    monkeypatch.setattr(eng.runner, "step", step)
+    monkeypatch.setattr(eng, "_prefill_chunks", chunks)
+    prompts = _prompts(5, seed=11)
+    reqs = [
+        eng.add_request(Request(p.tolist(), SamplingParams(max_new_tokens=n))) for p, n in zip(prompts, (9, 3, 6, 4, 7))
+    ]
+    while eng.has_work():
+        eng.step()
+        for r in reqs:  # a request whose prompt is in has its first token by the end of the step
+            assert r.prefill_pos < len(r.prompt_ids) or r.output_ids, r.request_id
+    assert any(inside for inside, _, _ in where), where  # the later admissions were prefilled in a step
+    assert all(inside == decoding for inside, decoding, _ in where), where
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
+
+
 def test_batched_prefill_equals_one_at_a_time(llama, monkeypatch):
     """Several admitted prompts of different lengths, some longer than the prefill budget (chunks
     across steps), prefilled as one padded forward: the same outputs, first tokens and prompt

@@ -452,6 +452,7 @@ def test_requests_admitted_where_drafting_cannot_pay_run_the_target_alone(llama,
     eng.step()
     assert not any(r.speculate for r in reqs[2:]) and eng.stats.requests_not_drafting == 4
     assert rows["prefill"] == 0  # their prefill wrote no draft context
+    eng.step()  # (prefilled inside the last step, they join the batch at this one)
     # the batch now mixes in requests that do not draft (so it cannot draft): the first two stop too
     assert eng.scheduler.lookahead(reqs[2]) == 1 and eng.scheduler.lookahead(reqs[0]) == 1
     assert not reqs[0].speculate and eng.stats.requests_retired == 2

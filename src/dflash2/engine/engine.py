@@ -33,7 +33,7 @@ from .steps import (
     GenerationResult,
     Runner,
     eos_ids,
-    first_tokens,
+    first_tokens_device,
     make_generator,
     stop_ids,
     stop_reason,
@@ -191,6 +191,8 @@ class LLMEngine:
         self.eos = eos_ids(target)
         self.vocab_size = min(target.embed.num_embeddings, target.lm_head_weight.shape[0])
         self.prefilling: deque[Request] = deque()  # admitted, prompt not all in the runner yet (FIFO)
+        # new requests whose prompt is in, and their first tokens on the device, read after the step
+        self._due: list[tuple[list[tuple[Request, torch.Tensor]], torch.Tensor]] = []
         self.heartbeat = time.monotonic()  # the loop's last pass (for /health)
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -327,6 +329,7 @@ class LLMEngine:
                     log.exception("releasing a failed request")
                     self.scheduler.finish(req)
             self.prefilling.clear()
+            self._due.clear()
 
     def health(self) -> str | None:
         """None when the engine is stepping, else why not."""
@@ -361,12 +364,18 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
-        """Aborts and admissions, a chunk of prefill, then one speculative step of every running request."""
+        """Aborts and admissions, then one speculative step of every running request whose prompt is
+        in, with the next chunk of prefill launched while the device computes that step (or alone,
+        when nothing decodes), then the new requests' first tokens. Why inside the step: at 64
+        requests on the H200 a prefill call after each step, with its own read-back, took 19-25% of
+        the wall (docs/benchmarks.md, twenty-third session)."""
         self._admit()
-        self._prefill_some()
         reqs = self._decode_batch()
         if reqs:
             self._decode(reqs)
+        else:
+            self._prefill_some(defer=True)
+        self._emit_first_tokens()
 
     def _admit(self) -> None:
         with self.lock:
@@ -428,9 +437,17 @@ class LLMEngine:
         drafting = drafters > 0 and drafters == len(reqs)
         width = self.planner.choose(rids, bucket) if drafting else 1  # a request that does not draft: width 1
         sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device)
-        t_run = time.perf_counter()
+        t_run, t_pf = time.perf_counter(), 0.0
+
+        def overlap() -> None:  # host work while the device runs the step: the last step's counts, a prefill
+            nonlocal t_pf
+            self.planner.fold()
+            t = time.perf_counter()
+            self._prefill_some(defer=True)
+            t_pf = time.perf_counter() - t
+
         try:
-            out = self.runner.step(reqs, sampling, width, overlap=self.planner.fold)  # the last step's counts
+            out = self.runner.step(reqs, sampling, width, overlap=overlap)
         except Exception as e:  # a failing batch fails its requests, not the server
             log.exception("speculative step failed")
             with self.lock:
@@ -456,7 +473,8 @@ class LLMEngine:
         s.drafts_proposed += (width - 1) * len(reqs)
         s.draft_s += out.draft_s
         s.verify_s += out.verify_s
-        seconds = time.perf_counter() - t0
+        # the step's wall without the prefill's host work (its device time is in the read-back wait)
+        seconds = time.perf_counter() - t0 - t_pf
         s.step_s += seconds
         plain = self.draft is not None and not drafters  # the target alone, no drafter upkeep
         shape = s.step_s_by_shape.setdefault(f"{bucket}x{0 if plain else width}", [0, 0.0])
@@ -468,9 +486,10 @@ class LLMEngine:
             self.planner.observe_plain(bucket, seconds)
         s.host_s += (t_run - t0) + (time.perf_counter() - t_back)
 
-    def _prefill_some(self) -> None:
+    def _prefill_some(self, defer: bool = False) -> None:
         """Up to ``chunked_prefill_size`` prompt tokens, oldest admitted first; a request whose prompt
-        is all in gets its first token."""
+        is all in gets its first token (``defer``: computed on the device, read by
+        :meth:`_emit_first_tokens`)."""
         size = self.cfg.chunked_prefill_size or -1
         budget = size if size > 0 else None
         chunks: list[tuple[Request, int]] = []
@@ -489,6 +508,8 @@ class LLMEngine:
             self._prefill_chunks(chunks)
         finally:
             self.stats.prefill_s += time.perf_counter() - t0
+        if not defer:
+            self._emit_first_tokens()
 
     def _prefill_chunks(self, chunks: list[tuple[Request, int]]) -> None:
         batch = getattr(self.runner, "prefill_batch", None)
@@ -513,7 +534,8 @@ class LLMEngine:
 
     def _first_tokens(self, done: list[tuple[Request, torch.Tensor]]) -> None:
         """Each new request's first token, from its prompt's last logits, all in one
-        :func:`first_tokens` call (if that fails, one request at a time, each failing alone)."""
+        :func:`first_tokens_device` call (if that fails, one request at a time, each failing alone),
+        left on the device for :meth:`_emit_first_tokens`."""
         reqs = [r for r, _ in done]
         try:
             stops = [stop_ids(r.sampling, self.eos) if r.sampling.min_tokens > 0 else None for r in reqs]
@@ -522,7 +544,7 @@ class LLMEngine:
             if any(g is None for g in gens):
                 raise RuntimeError("a request reached prefill without its generator")
             kernel = getattr(self.runner, "truncate_kernel", False)  # the decode graphs' truncation
-            toks = first_tokens(rows, [r.sampling for r in reqs], gens, stops, kernel)  # type: ignore[arg-type]
+            toks = first_tokens_device(rows, [r.sampling for r in reqs], gens, stops, kernel)  # type: ignore[arg-type]
         except Exception as e:
             if len(done) == 1:
                 return self._prefill_failed(reqs[0], e)
@@ -530,16 +552,33 @@ class LLMEngine:
             for one in done:
                 self._first_tokens([one])
             return
-        for (req, logits), tok in zip(done, toks):
+        self._due.append((done, toks))
+
+    def _emit_first_tokens(self) -> None:
+        """The first tokens :meth:`_first_tokens` left on the device, read (one read per prefill call,
+        after the step's own) and appended; a request failed or aborted meanwhile is skipped."""
+        due, self._due = self._due, []
+        for done, toks in due:
+            t0 = time.perf_counter()
             try:
-                if req.sampling.logprobs is not None:
-                    self._record_logprobs(req, logits.view(1, -1), [tok])
-                req.first_token_at = time.perf_counter()
-                self.stats.prompt_tokens += len(req.prompt_ids)
-                self.stats.ttft.observe(req.first_token_at - req.arrival)
-                self._append(req, [tok])
+                tokens = toks.tolist()
             except Exception as e:
-                self._prefill_failed(req, e)
+                for req, _ in done:
+                    self._prefill_failed(req, e)
+                continue
+            for (req, logits), tok in zip(done, tokens):
+                if req.finished:
+                    continue
+                try:
+                    if req.sampling.logprobs is not None:
+                        self._record_logprobs(req, logits.view(1, -1), [tok])
+                    req.first_token_at = time.perf_counter()
+                    self.stats.prompt_tokens += len(req.prompt_ids)
+                    self.stats.ttft.observe(req.first_token_at - req.arrival)
+                    self._append(req, [tok])
+                except Exception as e:
+                    self._prefill_failed(req, e)
+            self.stats.prefill_s += time.perf_counter() - t0
 
     def _prefill_failed(self, req: Request, e: Exception) -> None:
         log.exception("prefill failed")

@@ -367,7 +367,7 @@ class GraphModelRunner:
         if self.paged and n != self.synced[s]:
             if n > self.static.max_pages:
                 raise MemoryError(f"{n} pages exceed the {self.static.max_pages} a slot's table holds")
-            self.tables[s, :n] = torch.tensor(req.block_table, dtype=torch.int32, device=self.tables.device)
+            self.tables[s, :n] = steps.h2d(req.block_table, torch.int32, self.tables.device)
             self.synced[s] = n
 
     def _sync_owed(self, req: Request, moved: bool) -> None:
@@ -460,9 +460,9 @@ class GraphModelRunner:
             self._seat(req)
             rows.append(prefill_ids(req)[:k] + [0] * (L - k))
         real = len(chunks)
-        self.pf_ids[:real, :L] = torch.tensor(rows, device=dev)
-        self.pf_last[:real] = torch.tensor([k - 1 for _, k in chunks], device=dev)
-        self.pf_table[:real] = self.tables[torch.tensor([r.slot for r, _ in chunks], device=dev)]
+        self.pf_ids[:real, :L] = steps.h2d(rows, torch.long, dev)
+        self.pf_last[:real] = steps.h2d([k - 1 for _, k in chunks], torch.long, dev)
+        self.pf_table[:real] = self.tables[steps.h2d([r.slot for r, _ in chunks], torch.long, dev)]
         self.pf_last[real:R] = 0
         self.pf_table[real:R] = self.static.scratch  # padded rows write to the scratch page only
         replay, out = self.prefill_graphs[(R, L, self.draft is not None and any(r.speculate for r, _ in chunks))]
@@ -537,7 +537,7 @@ class GraphModelRunner:
         table = self.tables[s : s + 1]
         every_row = req.sampling.prompt_logprobs is not None and not req.output_ids
         logits, feats = self.static.forward(
-            torch.tensor(chunk, device=dev)[None],
+            steps.h2d(chunk, torch.long, dev)[None],
             torch.full((1,), p, dtype=torch.long, device=dev),
             slot=s,  # slot mode reads slot s's buffer directly
             kv_len=p + len(chunk),
@@ -585,20 +585,21 @@ class GraphModelRunner:
             rows.append(prefill_ids(req)[p : p + n] + [0] * (width - n))
             starts.append(p)
             lens.append(n)
-        ids = torch.tensor(rows, device=dev)
-        tables = self.tables[torch.tensor([r.slot for r, _ in chunks], device=dev)]
-        start = torch.tensor(starts, device=dev)
+        ids = steps.h2d(rows, torch.long, dev)
+        tables = self.tables[steps.h2d([r.slot for r, _ in chunks], torch.long, dev)]
+        start = steps.h2d(starts, torch.long, dev)
+        n_real = steps.h2d(lens, torch.long, dev)
         logits, feats = self.static.forward(
             ids,
             start,
             kv_len=max(p + n for p, n in zip(starts, lens)),
             tables=tables,
-            last=torch.tensor(lens, device=dev) - 1,
+            last=n_real - 1,
         )
         if self.draft is not None and any(r.speculate for r, _ in chunks):  # the draft's latents of the real rows
             offs = torch.arange(width, device=dev)[None]  # of requests that draft
-            drafts = torch.tensor([r.speculate for r, _ in chunks], device=dev)[:, None]
-            pos, real = start[:, None] + offs, (offs < torch.tensor(lens, device=dev)[:, None]) & drafts
+            drafts = steps.h2d([r.speculate for r, _ in chunks], torch.bool, dev)[:, None]
+            pos, real = start[:, None] + offs, (offs < n_real[:, None]) & drafts
             page, off = tables.gather(1, pos // self.page).long()[real], pos[real] % self.page
             self.lat[:, page, off] = self.draft.context_rows(feats[real], pos[real]).to(self.lat.dtype)
         return [self._prefilled(req, n, logits[b, 0]) for b, (req, n) in enumerate(chunks)]

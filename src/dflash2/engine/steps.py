@@ -36,6 +36,17 @@ def draw_uniforms(gen: torch.Generator, g: int) -> torch.Tensor:
     return torch.rand(2 * g + 1, generator=gen)
 
 
+def h2d(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values as a tensor on ``device``. On CUDA through pinned memory, asynchronously: a copy
+    from pageable memory waits for the work queued on the stream, so a prefill launched while the
+    device runs a decode step would wait for that step (the caching host allocator keeps the pinned
+    block until the copy is done)."""
+    t = torch.as_tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def first_token(
     logits_row: torch.Tensor, sampling: SamplingParams, gen: torch.Generator, stops: list[int] | None = None
 ) -> int:
@@ -61,26 +72,42 @@ def first_tokens(
     reads made the first token cost ~3 ms a prefill call on the H200, more than a 150-token
     prompt's forward (docs/benchmarks.md, twenty-first session); on the CPU its top-entries
     shortcut is cheaper than sorting whole rows."""
-    if any(stops):
-        logits = logits.clone()
-        for i, ids in enumerate(stops):
-            if ids:
-                logits[i, ids] = float("-inf")
+    return first_tokens_device(logits, samplings, gens, stops, truncate_kernel, sync_free).tolist()
+
+
+def first_tokens_device(
+    logits: torch.Tensor,
+    samplings: list[SamplingParams],
+    gens: list[torch.Generator],
+    stops: list[list[int] | None],
+    truncate_kernel: bool = False,
+    sync_free: bool | None = None,
+) -> torch.Tensor:
+    """:func:`first_tokens` as a device tensor, not read yet: no host copy here waits for the stream,
+    so the engine launches it beside a decode step and reads it after that step's read-back."""
     dev = logits.device
+    if any(stops):
+        rows = [i for i, ids in enumerate(stops) for _ in ids or ()]
+        cols = [t for ids in stops for t in ids or ()]
+        logits = logits.index_put(
+            (h2d(rows, torch.long, dev), h2d(cols, torch.long, dev)), logits.new_full((), float("-inf"))
+        )
     u = torch.stack([torch.rand((), generator=g) for g in gens])  # one uniform per row, in order
     if all(s.greedy for s in samplings):
-        return logits.argmax(-1).tolist()
-    col = partial(torch.tensor, device=dev)
-    p_last = probs_from_logits(
-        logits,
-        col([s.temperature for s in samplings], dtype=torch.float32),
-        col([s.top_k for s in samplings], dtype=torch.long),
-        col([s.top_p for s in samplings], dtype=torch.float32),
-        col([s.min_p for s in samplings], dtype=torch.float32),
-        capturable=logits.is_cuda if sync_free is None else sync_free,
-        truncate_kernel=truncate_kernel,
-    )
-    return sample_from_probs(p_last, u.to(dev)).tolist()
+        toks = logits.argmax(-1)
+    else:
+        col = partial(h2d, device=dev)
+        p_last = probs_from_logits(
+            logits,
+            col([s.temperature for s in samplings], torch.float32),
+            col([s.top_k for s in samplings], torch.long),
+            col([s.top_p for s in samplings], torch.float32),
+            col([s.min_p for s in samplings], torch.float32),
+            capturable=logits.is_cuda if sync_free is None else sync_free,
+            truncate_kernel=truncate_kernel,
+        )
+        toks = sample_from_probs(p_last, h2d(u, torch.float32, dev))
+    return toks
 
 
 def eos_ids(target) -> set[int]:
