@@ -519,10 +519,36 @@ def test_a_shape_that_has_not_run_costs_its_profile_times_what_the_run_ones_cost
     assert 1.1 < p.drafting_gain(8) < 1.4 and p.speculate_new(8, 8) and not p.retire(8)
     p.observe_plain(4, 0.010)  # the target alone runs at its profile, so 10 ms at 8: drafting cannot pay
     assert p.cost(8, 0) == pytest.approx(0.010) and p.state()["profile_scale"] == {0: 1.0, W: pytest.approx(1.5)}
-    assert p.cost(8, 1) == pytest.approx(0.012 * 1.5**0.5)  # width 1 borrows the mean of the two
+    assert p.cost(8, 1) == pytest.approx(0.012)  # width 1 borrows width 0's scale: the other one-token step
     assert 0.7 < p.drafting_gain(8) < 0.95 and not p.speculate_new(8, 8) and p.retire(8)
     p.costs[(4, W)] = 0.012  # given, not run: read as it is, and the scale stays what ran said
     assert p.cost(4, W) == 0.012 and p.cost(8, W) == pytest.approx(0.025 * 1.5)
+
+
+def test_the_target_alone_is_costed_from_the_one_token_step_not_the_drafting_width():
+    """The H200 at 64 requests, T=1 (profile and live costs in ms): the drafting width runs at 1.87x its
+    profile, a width-1 probe at 2.4x its own (host work is a larger share of a cheap step). The target
+    alone, not run yet, is costed from the width-1 step at that bucket and the profile's ratio of the
+    two (2.73 ms), not from the drafting width's scale (2.15): so drafting at an AL of 2.4 pays, and
+    the drafting requests do not retire; before any one-token step has a cost, they do not retire at all
+    (the planner retired drafting there at an estimated break-even and served 0.89x, where drafting
+    served 1.03x)."""
+    p = Planner(W, PlannerConfig(mode="auto", probe_every=4, retire_every=1))
+    p.widths = (1, W)
+    p.profile.update({(64, 0): 1.15e-3, (64, 1): 1.17e-3, (64, W): 3.02e-3})
+    rids = [f"r{i}" for i in range(64)]
+    for _ in range(40):  # ~0.6 of the drafts at each position: ~2.4 expected tokens a step
+        p.observe(rids, [0, 1, 2, 3] * 16, W, 64, 5.64e-3)
+    p.profile[(64, 0)] /= 4  # (as a cheap plain profile would read, scaled by the drafting width: drafting pays less)
+    assert not p.retire(64)  # no one-token step measured yet: no retirement, whatever the estimate
+    p.profile[(64, 0)] *= 4
+    p.observe(rids, [0] * 64, 1, 64, 2.78e-3)  # a width-1 probe
+    assert p.cost(64, 0) == pytest.approx(2.78e-3 * 1.15 / 1.17)
+    gain = p.drafting_gain(64)
+    assert gain is not None and 1.1 < gain < 1.3
+    assert p.speculate_new(64, 64) and not p.retire(64)
+    p.scale.pop(1)  # what the old estimate read: the drafting width's scale
+    assert p.profile[(64, 0)] * p._scale_of(W) == pytest.approx(2.15e-3, rel=0.01)
 
 
 def test_auto_admits_without_drafting_while_a_request_that_does_not_draft_runs(llama):
