@@ -358,7 +358,7 @@ def test_first_tokens_of_one_prefill_fail_alone(llama, monkeypatch):
     eng = _engine(llama)
     eng.add_request(ref)
     eng.run_until_done()
-    real = engine_mod.first_tokens_device
+    real = engine_mod.first_tokens
     sizes = []
 
     def poisoned(logits, samplings, gens, stops, *rest):
@@ -367,7 +367,7 @@ def test_first_tokens_of_one_prefill_fail_alone(llama, monkeypatch):
             raise RuntimeError("poisoned row")
         return real(logits, samplings, gens, stops, *rest)
 
-    monkeypatch.setattr(engine_mod, "first_tokens_device", poisoned)
+    monkeypatch.setattr(engine_mod, "first_tokens", poisoned)
     pair = [_req([5, 6, 7, 8], n=7), _req([5, 6, 7, 8]), _req([9, 6, 7, 8])]
     for r in pair:
         eng.add_request(r)
@@ -386,7 +386,7 @@ def test_engine_loop_survives_failing_steps(llama, monkeypatch):
         _wait([ok])
         ref = list(ok.output_ids)
         # 1. the first-token sampling of one prefill raises (as a tensor overflow did)
-        real = engine_mod.first_tokens_device
+        real = engine_mod.first_tokens
         calls = {"n": 0}
 
         def once(*a, **k):
@@ -395,7 +395,7 @@ def test_engine_loop_survives_failing_steps(llama, monkeypatch):
                 raise RuntimeError("value cannot be converted to type float without overflow")
             return real(*a, **k)
 
-        monkeypatch.setattr(engine_mod, "first_tokens_device", once)
+        monkeypatch.setattr(engine_mod, "first_tokens", once)
         bad, good = _req([5, 6, 7, 8]), _req([5, 6, 7, 8])
         eng.add_request(bad)
         _wait([bad])

@@ -33,7 +33,7 @@ from .steps import (
     GenerationResult,
     Runner,
     eos_ids,
-    first_tokens_device,
+    first_tokens,
     make_generator,
     stop_ids,
     stop_reason,
@@ -534,7 +534,7 @@ class LLMEngine:
 
     def _first_tokens(self, done: list[tuple[Request, torch.Tensor]]) -> None:
         """Each new request's first token, from its prompt's last logits, all in one
-        :func:`first_tokens_device` call (if that fails, one request at a time, each failing alone),
+        :func:`first_tokens` call (if that fails, one request at a time, each failing alone),
         left on the device for :meth:`_emit_first_tokens`."""
         reqs = [r for r, _ in done]
         try:
@@ -544,7 +544,7 @@ class LLMEngine:
             if any(g is None for g in gens):
                 raise RuntimeError("a request reached prefill without its generator")
             kernel = getattr(self.runner, "truncate_kernel", False)  # the decode graphs' truncation
-            toks = first_tokens_device(rows, [r.sampling for r in reqs], gens, stops, kernel)  # type: ignore[arg-type]
+            toks = first_tokens(rows, [r.sampling for r in reqs], gens, stops, kernel)  # type: ignore[arg-type]
         except Exception as e:
             if len(done) == 1:
                 return self._prefill_failed(reqs[0], e)

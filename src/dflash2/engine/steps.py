@@ -52,7 +52,7 @@ def first_token(
 ) -> int:
     """The token the prefill emits, from the prompt's last logits row (one uniform of ``gen``);
     ``stops``: ids it may not be (``min_tokens``, :func:`stop_ids`)."""
-    return first_tokens(logits_row.view(1, -1), [sampling], [gen], [stops])[0]
+    return int(first_tokens(logits_row.view(1, -1), [sampling], [gen], [stops])[0])
 
 
 def first_tokens(
@@ -62,29 +62,17 @@ def first_tokens(
     stops: list[list[int] | None],
     truncate_kernel: bool = False,
     sync_free: bool | None = None,
-) -> list[int]:
+) -> torch.Tensor:
     """:func:`first_token` of every row of ``logits [R, V]`` at once: one processing of the rows
-    and one host read, not a few per request. Why: per request, at 14 prompts a prefill call, it
+    and one host read (by the caller), not a few per request. Why: per request, at 14 prompts a prefill call, it
     was about half of that call's ~1,800 kernel launches on the H200 (docs/benchmarks.md,
     seventeenth session). Row ``i`` draws one uniform of ``gens[i]``, as one call for it would.
     ``sync_free`` (default: on CUDA): the graphs' truncation (``truncate_kernel``: the sort-free
     kernel, as the engine's decode graphs use), no host read but the tokens. Why: the eager path's
     reads made the first token cost ~3 ms a prefill call on the H200, more than a 150-token
     prompt's forward (docs/benchmarks.md, twenty-first session); on the CPU its top-entries
-    shortcut is cheaper than sorting whole rows."""
-    return first_tokens_device(logits, samplings, gens, stops, truncate_kernel, sync_free).tolist()
-
-
-def first_tokens_device(
-    logits: torch.Tensor,
-    samplings: list[SamplingParams],
-    gens: list[torch.Generator],
-    stops: list[list[int] | None],
-    truncate_kernel: bool = False,
-    sync_free: bool | None = None,
-) -> torch.Tensor:
-    """:func:`first_tokens` as a device tensor, not read yet: no host copy here waits for the stream,
-    so the engine launches it beside a decode step and reads it after that step's read-back."""
+    shortcut is cheaper than sorting whole rows. The tokens stay on the device (a tensor, not read):
+    the engine launches them beside a decode step and reads them after that step's read-back."""
     dev = logits.device
     if any(stops):
         rows = [i for i, ids in enumerate(stops) for _ in ids or ()]

@@ -1,0 +1,109 @@
+"""#22's CPU target through the server, with the official ``openai`` client (no vLLM venv needed):
+``dflash2 serve`` with ``--speculative-algorithm NONE`` and with the planner (auto), one server at a
+time, the same held-out chat prompts (the last user turn of the recipe's held-out conversations, no
+drafter trained on them) at a fixed concurrency, 128 new tokens, top-p 0.95; output tokens/s = completion
+tokens of all requests / wall of the batch. Greedy outputs are compared across servers (lossless).
+
+    .venv/bin/python scripts/cpu_server_client_ab.py --concurrency 16 --prompts 32 --temperatures 0,1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise SystemExit("the server did not become healthy")
+
+
+async def run_batch(port: int, prompts: list[str], conc: int, temperature: float, tokens: int) -> dict:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    sem = asyncio.Semaphore(conc)
+    outs: list[tuple[int, str]] = [(0, "")] * len(prompts)
+
+    async def one(i: int, p: str) -> None:
+        async with sem:
+            r = await client.chat.completions.create(
+                model="default",
+                messages=[{"role": "user", "content": p}],
+                max_tokens=tokens,
+                temperature=temperature,
+                top_p=0.95,
+                seed=i,
+            )
+            outs[i] = (r.usage.completion_tokens, r.choices[0].message.content or "")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    wall = time.perf_counter() - t0
+    await client.close()  # (else its connections close after the event loop, with a traceback each)
+    n = sum(c for c, _ in outs)
+    return {"tokens": n, "wall_s": round(wall, 2), "tok_s": round(n / wall, 2), "texts": [t for _, t in outs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heldout", default=str(ROOT / "work" / "recipe" / "heldout_prompts.jsonl"))
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--servers", default="none,auto")
+    ap.add_argument("--port", type=int, default=30013)
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args()
+    from dflash2.training.sources import load_prompts
+
+    prompts = [p.messages[-1]["content"] for p in load_prompts(args.heldout)][: args.prompts]
+    flags = {"none": ["--speculative-algorithm", "NONE"], "auto": ["--speculative-planner", "auto"],
+             "off": ["--speculative-planner", "off"]}  # fmt: skip
+    rows = []
+    for temp in [float(t) for t in args.temperatures.split(",")]:
+        for name in args.servers.split(","):
+            cmd = [sys.executable, "-m", "dflash2.cli", "serve", "--port", str(args.port),
+                   "--max-running-requests", str(args.concurrency), *flags[name]]  # fmt: skip
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+            try:
+                wait_healthy(args.port, proc)
+                asyncio.run(run_batch(args.port, prompts[:2], 2, temp, 8))  # warm-up
+                res = asyncio.run(run_batch(args.port, prompts, args.concurrency, temp, args.tokens))
+            finally:
+                proc.terminate()
+                proc.wait(30)
+            rows.append({"server": name, "T": temp, "concurrency": args.concurrency, **res})
+            print(f"{name:>5} T={temp} c={args.concurrency}: {res['tok_s']} tok/s ({res['tokens']} tokens, "
+                  f"{res['wall_s']} s)", flush=True)  # fmt: skip
+        base = next(r for r in rows if r["T"] == temp and r["server"] == "none")
+        for r in rows:
+            if r["T"] == temp:
+                r["ratio"] = round(r["tok_s"] / base["tok_s"], 3)
+                if temp == 0:
+                    r["greedy_same_as_none"] = r["texts"] == base["texts"]
+        print({r["server"]: (r["ratio"], r.get("greedy_same_as_none")) for r in rows if r["T"] == temp}, flush=True)
+    if args.output:
+        Path(args.output).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
