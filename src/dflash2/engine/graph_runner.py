@@ -300,7 +300,7 @@ class GraphModelRunner:
         prefix that holds every occupant's next block."""
         slots = [r.slot for r in reqs]
         idx: torch.Tensor | slice = (
-            slice(0, len(reqs)) if slots == list(range(len(reqs))) else torch.tensor(slots, device=self.target.device)
+            slice(0, len(reqs)) if slots == list(range(len(reqs))) else steps.h2d(slots, torch.long, self.target.device)
         )
         n = len(self.occupant)
         end = max(r.num_committed for r in self.occupant) + self.w
@@ -600,8 +600,8 @@ class GraphModelRunner:
             offs = torch.arange(width, device=dev)[None]  # of requests that draft
             drafts = steps.h2d([r.speculate for r, _ in chunks], torch.bool, dev)[:, None]
             pos, real = start[:, None] + offs, (offs < n_real[:, None]) & drafts
-            page, off = tables.gather(1, pos // self.page).long()[real], pos[real] % self.page
-            self.lat[:, page, off] = self.draft.context_rows(feats[real], pos[real]).to(self.lat.dtype)
+            page, off = page_of(tables, pos, self.page)
+            self.lat[:, page[real], off[real]] = self.draft.context_rows(feats[real], pos[real]).to(self.lat.dtype)
         return [self._prefilled(req, n, logits[b, 0]) for b, (req, n) in enumerate(chunks)]
 
     def _load(self, reqs: list[Request], sampling: BatchSampling | None):
@@ -614,9 +614,9 @@ class GraphModelRunner:
         stale = [r for r in reqs if r.slot in self.stale]
         if stale:
             dev = self.ids.device
-            at = torch.tensor([r.slot for r in stale], device=dev)
-            self.ids[at, 0] = torch.tensor([r.all_ids[-1] for r in stale], device=dev)
-            self.start[at] = torch.tensor([r.num_committed for r in stale], device=dev)
+            at = steps.h2d([r.slot for r in stale], torch.long, dev)
+            self.ids[at, 0] = steps.h2d([r.all_ids[-1] for r in stale], torch.long, dev)
+            self.start[at] = steps.h2d([r.num_committed for r in stale], torch.long, dev)
             self.stale.difference_update(r.slot for r in stale)
         if sampling is not None:  # a width-1 step has no propose / accept draws: only the first g columns
             for f in BatchSampling.__dataclass_fields__:

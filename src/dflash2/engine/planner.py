@@ -389,7 +389,13 @@ class Planner:
         it was: on the H200 at 64 requests, T=0, the drafting requests retired for good at the first
         check where the fixed width served 1.12x (docs/benchmarks.md, twentieth session)."""
         if width not in self.scale and width in (0, 1) and 1 - width in self.scale:
-            return self.scale[1 - width]  # the one-token steps: almost the same graph and host work
+            # the one-token steps (the target alone; width 1 of drafting requests, which adds the latents)
+            # replay almost the same graph with the same host work, so one borrows the other's scale.
+            # Why not the mean: the drafting width's scale priced the target alone 15-20% too cheap (host
+            # work is a larger share of a cheap step), and on the H200 at 64 requests, T=1, the planner
+            # retired drafting at an estimated break-even where it served 1.03x, then ran at 0.89x
+            # (docs/benchmarks.md, twenty-third session)
+            return self.scale[1 - width]
         return self.scale.get(width, self._borrowed)
 
     def cost(self, bucket: int, width: int) -> float | None:
@@ -405,19 +411,6 @@ class Planner:
         key = (bucket, width)
         if key in self.costs:
             return self.costs[key]
-        if (
-            width == 0
-            and (one := self.costs.get((bucket, 1)))
-            and self.profile.get(key)
-            and self.profile.get((bucket, 1))
-        ):
-            # the target alone beside a drafter, not run yet: width 1 of drafting requests replays almost
-            # the same graph (plus the latents) with the same host work a step, so its measured cost
-            # times the profile's ratio of the two. Why: priced by the drafting width's live scale, the
-            # target alone was 15-20% too cheap (host work is a larger share of a cheap step), and on
-            # the H200 at 64 requests, T=1, the planner retired drafting at an estimated break-even
-            # where it served 1.03x, then ran at 0.89x (docs/benchmarks.md, twenty-third session)
-            return one * self.profile[key] / self.profile[(bucket, 1)]
         if key in self.profile:
             return self.profile[key] * self._scale_of(width)
         if width == 0:

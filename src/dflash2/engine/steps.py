@@ -64,9 +64,9 @@ def first_tokens(
     sync_free: bool | None = None,
 ) -> torch.Tensor:
     """:func:`first_token` of every row of ``logits [R, V]`` at once: one processing of the rows
-    and one host read (by the caller), not a few per request. Why: per request, at 14 prompts a prefill call, it
-    was about half of that call's ~1,800 kernel launches on the H200 (docs/benchmarks.md,
-    seventeenth session). Row ``i`` draws one uniform of ``gens[i]``, as one call for it would.
+    and one host read (the caller's), not a few per request. Why: per request, at 14 prompts a
+    prefill call, it was about half of that call's ~1,800 kernel launches on the H200
+    (docs/benchmarks.md, seventeenth session). Row ``i`` draws one uniform of ``gens[i]``, as one call for it would.
     ``sync_free`` (default: on CUDA): the graphs' truncation (``truncate_kernel``: the sort-free
     kernel, as the engine's decode graphs use), no host read but the tokens. Why: the eager path's
     reads made the first token cost ~3 ms a prefill call on the H200, more than a 150-token
@@ -82,20 +82,18 @@ def first_tokens(
         )
     u = torch.stack([torch.rand((), generator=g) for g in gens])  # one uniform per row, in order
     if all(s.greedy for s in samplings):
-        toks = logits.argmax(-1)
-    else:
-        col = partial(h2d, device=dev)
-        p_last = probs_from_logits(
-            logits,
-            col([s.temperature for s in samplings], torch.float32),
-            col([s.top_k for s in samplings], torch.long),
-            col([s.top_p for s in samplings], torch.float32),
-            col([s.min_p for s in samplings], torch.float32),
-            capturable=logits.is_cuda if sync_free is None else sync_free,
-            truncate_kernel=truncate_kernel,
-        )
-        toks = sample_from_probs(p_last, h2d(u, torch.float32, dev))
-    return toks
+        return logits.argmax(-1)
+    col = partial(h2d, device=dev)
+    p_last = probs_from_logits(
+        logits,
+        col([s.temperature for s in samplings], torch.float32),
+        col([s.top_k for s in samplings], torch.long),
+        col([s.top_p for s in samplings], torch.float32),
+        col([s.min_p for s in samplings], torch.float32),
+        capturable=logits.is_cuda if sync_free is None else sync_free,
+        truncate_kernel=truncate_kernel,
+    )
+    return sample_from_probs(p_last, h2d(u, torch.float32, dev))
 
 
 def eos_ids(target) -> set[int]:
