@@ -62,6 +62,13 @@ async def run_batch(port: int, prompts: list[str], conc: int, temperature: float
     return {"tokens": n, "wall_s": round(wall, 2), "tok_s": round(n / wall, 2), "texts": [t for _, t in outs]}
 
 
+def spec_metrics(port: int) -> dict[str, float]:
+    """What the planner did (widths, retirements, acceptance), from the server's ``/metrics``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in lines if ln.startswith("dflash2_spec"))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--heldout", default=str(ROOT / "work" / "recipe" / "heldout_prompts.jsonl"))
@@ -72,28 +79,34 @@ def main() -> None:
     ap.add_argument("--servers", default="none,auto")
     ap.add_argument("--port", type=int, default=30013)
     ap.add_argument("--output", default=None)
+    ap.add_argument("--logs", default=None, help="a folder for each server's log")
     args = ap.parse_args()
     from dflash2.training.sources import load_prompts
 
     prompts = [p.messages[-1]["content"] for p in load_prompts(args.heldout)][: args.prompts]
     flags = {"none": ["--speculative-algorithm", "NONE"], "auto": ["--speculative-planner", "auto"],
-             "off": ["--speculative-planner", "off"]}  # fmt: skip
+             "off": ["--speculative-planner", "off"],
+             # the drafter loaded, no request drafting (the schedule drafts only at 1 running request):
+             # what a drafter engine's target-alone steps cost beside the target's own
+             "plain": ["--speculative-width-schedule", "1:8"]}  # fmt: skip
     rows = []
     for temp in [float(t) for t in args.temperatures.split(",")]:
         for name in args.servers.split(","):
             cmd = [sys.executable, "-m", "dflash2.cli", "serve", "--port", str(args.port),
                    "--max-running-requests", str(args.concurrency), *flags[name]]  # fmt: skip
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+            log = open(Path(args.logs) / f"server_{name}_T{temp}.log", "w") if args.logs else subprocess.DEVNULL
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
             try:
                 wait_healthy(args.port, proc)
                 asyncio.run(run_batch(args.port, prompts[:2], 2, temp, 8))  # warm-up
                 res = asyncio.run(run_batch(args.port, prompts, args.concurrency, temp, args.tokens))
+                res["metrics"] = spec_metrics(args.port)
             finally:
                 proc.terminate()
                 proc.wait(30)
             rows.append({"server": name, "T": temp, "concurrency": args.concurrency, **res})
             print(f"{name:>5} T={temp} c={args.concurrency}: {res['tok_s']} tok/s ({res['tokens']} tokens, "
-                  f"{res['wall_s']} s)", flush=True)  # fmt: skip
+                  f"{res['wall_s']} s)", {k[8:]: v for k, v in res["metrics"].items() if "position" not in k}, flush=True)  # fmt: skip
         base = next(r for r in rows if r["T"] == temp and r["server"] == "none")
         for r in rows:
             if r["T"] == temp:

@@ -348,6 +348,40 @@ def test_prefill_runs_inside_the_decode_step(llama, runner, monkeypatch):
         assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
 
 
+@pytest.mark.parametrize("runner", ["paged", "static"])
+def test_step_costs_leave_out_the_prefill_inside_the_step(llama, runner, monkeypatch):
+    """The step cost the planner learns is the step's own: a prefill run inside the step (its overlap)
+    is reported apart (``overlap_s``) and left out, so the drafting steps of an admission wave do not
+    look dearer than the same steps later (on the H200 they looked 25% dearer and drafting stopped)."""
+    import time as _time
+
+    t, d = llama
+    eng = LLMEngine(t, d, EngineConfig(max_running_requests=3, num_draft_tokens=4, context_length=128,
+                                       runner=runner, speculative_planner="auto"))  # fmt: skip
+    real_chunks, slow = eng._prefill_chunks, 0.25
+
+    def chunks(c):  # a prefill that takes long on the host (the CPU has no device to overlap with)
+        _time.sleep(slow)
+        return real_chunks(c)
+
+    seen, outs = [], []
+    real_observe, real_step = eng.planner.observe, eng.runner.step
+    monkeypatch.setattr(eng, "_prefill_chunks", chunks)
+    monkeypatch.setattr(
+        eng.planner, "observe", lambda rids, acc, w, b, sec, defer=False: seen.append(sec) or real_observe(rids, acc, w, b, sec, defer)
+    )  # fmt: skip
+    monkeypatch.setattr(eng.runner, "step", lambda *a, **k: outs.append(real_step(*a, **k)) or outs[-1])
+    prompts = _prompts(3, seed=5)
+    eng.add_request(Request(prompts[0].tolist(), SamplingParams(max_new_tokens=12)))
+    eng.step()  # its prefill alone
+    for p in prompts[1:]:
+        eng.add_request(Request(p.tolist(), SamplingParams(max_new_tokens=4)))
+    eng.run_until_done()
+    inside = [o.overlap_s for o in outs if o.overlap_s > slow / 2]
+    assert inside and min(inside) >= slow  # the later prompts were prefilled inside steps, reported apart
+    assert len(seen) == len(outs) and max(seen) < slow, (seen, inside)  # and not in any step's cost
+
+
 def test_batched_prefill_equals_one_at_a_time(llama, monkeypatch):
     """Several admitted prompts of different lengths, some longer than the prefill budget (chunks
     across steps), prefilled as one padded forward: the same outputs, first tokens and prompt

@@ -71,6 +71,24 @@ def test_planner_cold_start_probe_and_hysteresis():
     assert low.alpha("new") < 0.5 < Planner(W, PlannerConfig(mode="auto")).alpha("new")
 
 
+def test_a_batch_size_that_has_not_run_is_costed_from_the_nearest_ones():
+    """Without a profile (the eager runner: every batch size a bucket of its own), a batch size where
+    a width has not run reads that width's cost between the nearest sizes where it ran (the nearest
+    one outside them), so a new size does not begin with a full-width step and a width-1 step."""
+    p, rids = _planner(full_ms=12.0, plain_ms=4.0, accepted=0)  # bucket 4: drafting cannot pay
+    for _ in range(3):
+        p.observe(["x"] * 8, [0] * 8, W, 8, 0.020)
+    p.costs[(8, 1)] = 0.006
+    assert p.cost(6, W) == pytest.approx(0.016) and p.cost(6, 1) == pytest.approx(0.005)  # between 4 and 8
+    assert p.cost(3, W) == pytest.approx(0.012) and p.cost(16, 1) == pytest.approx(0.006)  # the nearest
+    p.current = 1
+    for b in (3, 5, 6, 7):  # a wave draining through sizes never seen: width 1, as at the sizes around it
+        assert p.choose(rids[: min(b, 4)], b) == 1
+    assert p.cost(6, 0) is None  # the target alone never ran anywhere
+    p.observe_plain(4, 0.003)
+    assert p.cost(6, 0) == pytest.approx(0.003)
+
+
 def test_planner_picks_a_width_between_when_the_runner_has_them():
     """Eager steps of any width, width 8: cost linear in the width (4 ms at 1, 11 ms at 8) and every
     step accepts its first 2 drafts and rejects the third. Tokens/ms about 0.25 at width 1, 0.5 at 3,

@@ -164,6 +164,7 @@ class GraphModelRunner:
             raise ValueError(f"verify widths must be 1 or {width}, got {verify_widths}")
         self.block = block_verification
         self.synthetic = steps.synthetic_rates(synthetic_acceptance, width, target.device)  # benchmarks only
+        self.clock = steps.OverlapClock(target.device)
         # sampled verify's truncation in the graph: "sort" (every row sorted) or "triton" (sort-free
         # kernel); auto: the kernel on CUDA. Both keep the same set but at a top-p boundary within
         # rounding of the sums (3 of 320 rows on the H200), so one engine uses one for every width
@@ -596,12 +597,16 @@ class GraphModelRunner:
             tables=tables,
             last=n_real - 1,
         )
-        if self.draft is not None and any(r.speculate for r, _ in chunks):  # the draft's latents of the real rows
-            offs = torch.arange(width, device=dev)[None]  # of requests that draft
+        if self.draft is not None and any(r.speculate for r, _ in chunks):
+            # the draft's latents of the real rows of requests that draft; the other rows (padding, requests
+            # that do not draft) write the scratch page. Why not a boolean index: it reads the mask on the
+            # host, which waits for the decode step that this prefill runs beside
+            offs = torch.arange(width, device=dev)[None]
             drafts = steps.h2d([r.speculate for r, _ in chunks], torch.bool, dev)[:, None]
             pos, real = start[:, None] + offs, (offs < n_real[:, None]) & drafts
             page, off = page_of(tables, pos, self.page)
-            self.lat[:, page[real], off[real]] = self.draft.context_rows(feats[real], pos[real]).to(self.lat.dtype)
+            page = torch.where(real, page, self.static.scratch)
+            self.lat[:, page, off] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
         return [self._prefilled(req, n, logits[b, 0]) for b, (req, n) in enumerate(chunks)]
 
     def _load(self, reqs: list[Request], sampling: BatchSampling | None):
@@ -653,9 +658,8 @@ class GraphModelRunner:
         kind = "plain" if w == 1 and self.plain_graphs and not any(r.speculate for r in reqs) else "verify"
         replay, out = self._graph(kind, B, greedy, self._verify_kv(kv_len), w)
         replay()
-        if overlap is not None:  # host work while the GPU runs (replays are asynchronous on CUDA)
-            overlap()
-        res = steps.finish_step(out["rows"][idx], t0, t1)
+        self.clock.run(overlap)  # host work while the GPU runs (replays are asynchronous on CUDA)
+        res = steps.finish_step(out["rows"][idx], t0, t1, self.clock)
         if steps.wants_logprobs(reqs):
             res.logits = out["logits"][idx]
         for r, tokens in zip(reqs, res.tokens):

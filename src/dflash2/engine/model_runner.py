@@ -51,6 +51,7 @@ class ModelRunner:
         self.paged = not target.is_hybrid and not getattr(target.config, "sliding_window", None)
         self.k_pool: list[torch.Tensor] = []
         self.v_pool: list[torch.Tensor] = []
+        self.clock = steps.OverlapClock(target.device)
 
     # ---- pool ---------------------------------------------------------------------------------
     def _ensure_pool(self, cache: DynamicCache) -> None:
@@ -136,9 +137,8 @@ class ModelRunner:
                 mask[b, steps.stop_ids(r.sampling, self.eos)] = True
             logits = steps.suppress_stops(logits, mask, torch.tensor(left, device=logits.device))
         res = steps.accept(logits, drafts, q_draft, sampling, self.block, synthetic=self.synthetic)
-        if overlap is not None:  # (eager: nothing runs meanwhile; called where the graph runner calls it)
-            overlap()
-        out = steps.finish_step(steps.result_rows(res), t0, t1)
+        self.clock.run(overlap)  # (eager: nothing runs meanwhile; called where the graph runner calls it)
+        out = steps.finish_step(steps.result_rows(res), t0, t1, self.clock)
         out.logits = logits if steps.wants_logprobs(reqs) else None
         self._commit(reqs, kv, feats, [len(t) for t in out.tokens])
         return out

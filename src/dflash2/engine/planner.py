@@ -15,7 +15,8 @@ picks: every step is a complete speculative step at its width.
   other (width 1 observes no acceptance, and an unused width's cost goes stale as contexts grow;
   width 1 only where it is within ``probe_reach`` of winning).
   A width never run at a bucket is costed from the other width there and the latest ratio of the
-  two seen anywhere, so each new batch size does not have to try both. Where the runner can run
+  two seen anywhere, else between the nearest buckets where it ran, so each new batch size does not
+  have to try both. Where the runner can run
   any width (the eager paged runner), the widths between 1 and the full one are costed linearly
   between the two ends until they have run, and the best of them all is taken.
 - Whether a new request drafts at all (:meth:`Planner.speculate_new`), once, at admission: where
@@ -414,14 +415,30 @@ class Planner:
         if key in self.profile:
             return self.profile[key] * self._scale_of(width)
         if width == 0:
-            return None
+            return self._between_buckets(bucket, 0)
         if 1 < width < self.width:
             lo, hi = self.cost(bucket, 1), self.cost(bucket, self.width)
             return None if lo is None or hi is None else lo + (hi - lo) * (width - 1) / (self.width - 1)
         other = self.costs.get((bucket, self.width if width == 1 else 1))
         if other is None or self.ratio is None:
-            return None
+            return self._between_buckets(bucket, width)
         return other * self.ratio if width == 1 else other / self.ratio
+
+    def _between_buckets(self, bucket: int, width: int) -> float | None:
+        """A bucket with no profile where ``width`` has not run (the eager runner's: every batch size is
+        one): linear between the nearest buckets where it ran, else the nearest one's; None where it
+        never ran. Why: costed as unknown, each new batch size began with a full-width step and a
+        width-1 step; on the CPU at 16 requests, T=1, that was ~20 full-width steps of a run (3x a
+        one-token step each) as waves drained through the batch sizes (docs/benchmarks.md,
+        twenty-fourth session)."""
+        ran = sorted((b, c) for (b, w), c in self.costs.items() if w == width)
+        lo = [(b, c) for b, c in ran if b < bucket]
+        hi = [(b, c) for b, c in ran if b > bucket]
+        if lo and hi:
+            (b0, c0), (b1, c1) = lo[-1], hi[0]
+            return c0 + (c1 - c0) * (bucket - b0) / (b1 - b0)
+        near = lo[-1] if lo else hi[0] if hi else None
+        return None if near is None else near[1]
 
     def observe(
         self, rids: list[str], accepted: list[int], width: int, bucket: int, seconds: float, defer: bool = False

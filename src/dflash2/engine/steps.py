@@ -207,7 +207,8 @@ class StepOutput:
 
     tokens: list[list[int]]
     draft_s: float = 0.0  # draft forward + selector walk (0 without a draft)
-    verify_s: float = 0.0  # target verify + verifier + the read-back
+    verify_s: float = 0.0  # target verify + verifier + the read-back (the overlap's part taken out)
+    overlap_s: float = 0.0  # of the step's wall: what the overlap work (a prefill) added (OverlapClock)
     num_accepted: list[int] = field(init=False)
     # the verify forward's logits [B, w, V] (row i predicts token i), when a request asked for logprobs
     logits: torch.Tensor | None = None
@@ -258,11 +259,54 @@ class Runner(Protocol):
     def release(self, req) -> None: ...
 
 
-def finish_step(rows: torch.Tensor, t0: float, t1: float) -> StepOutput:
+class OverlapClock:
+    """Runs a step's overlap work (:meth:`run`, once the step is launched) and says, after the step's
+    read-back, how much of the step's wall that work took (:meth:`seconds`): on CUDA, the device time
+    from the step's last kernel to the overlap's last (one stream runs them in order, so the read-back
+    waits for both; a device idle while the host was still busy counts too); elsewhere the overlap's
+    host time (nothing runs meanwhile). Why: the planner's step costs must be the step's own. With a
+    prefill's device time in them, the cold start's drafting steps at 64 requests on the H200 cost
+    4.85 ms against 3.89 ms for the same steps later, and the planner stopped drafting where the
+    fixed width served 1.05x (docs/benchmarks.md, twenty-fourth session)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self._events = (
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda else None
+        )
+        self._host = 0.0
+        self._ran = False
+
+    def run(self, overlap) -> None:
+        self._ran = overlap is not None
+        if overlap is None:
+            return
+        if self._events is not None:
+            self._events[0].record()
+            overlap()
+            self._events[1].record()
+        else:
+            t = time.perf_counter()
+            overlap()
+            self._host = time.perf_counter() - t
+
+    def seconds(self) -> float:
+        if not self._ran:
+            return 0.0
+        if self._events is not None:
+            return self._events[0].elapsed_time(self._events[1]) / 1e3
+        return self._host
+
+
+def finish_step(rows: torch.Tensor, t0: float, t1: float, clock: OverlapClock | None = None) -> StepOutput:
     """One read-back of the batch's ``[B, g + 2]`` rows (the verifier's tokens, then the number
-    accepted), split per request."""
+    accepted), split per request; ``clock``: the step's overlap work, its part of the wall reported
+    apart."""
     out = rows.tolist()
-    return StepOutput([row[: row[-1] + 1] for row in out], t1 - t0, time.perf_counter() - t1)
+    ov = clock.seconds() if clock is not None else 0.0
+    res = StepOutput([row[: row[-1] + 1] for row in out], t1 - t0, time.perf_counter() - t1 - ov)
+    res.overlap_s = ov
+    return res
 
 
 def wants_logprobs(reqs) -> bool:
