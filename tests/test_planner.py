@@ -89,6 +89,28 @@ def test_a_batch_size_that_has_not_run_is_costed_from_the_nearest_ones():
     assert p.cost(6, 0) == pytest.approx(0.003)
 
 
+def test_a_one_token_step_is_never_priced_above_a_wider_one():
+    """Noise cannot price the target alone (or width 1) above a wider step measured at the same batch
+    size, and a shape that seldom runs (a probe's) averages its first samples evenly, so one noisy pair
+    of steps does not stand for it until many probes have run."""
+    p = Planner(8, PlannerConfig(mode="auto"), widths=tuple(range(1, 9)))
+    rids = [f"r{i}" for i in range(16)]
+    for _ in range(2):  # two width-1 steps of a noisy moment
+        p.observe(rids, [0] * 16, 1, 16, 0.427)
+    p.observe(rids, [1] * 16, 8, 16, 0.700)
+    for _ in range(10):
+        p.observe(rids, [1] * 16, 2, 16, 0.248)
+    assert p.cost(16, 1) == pytest.approx(0.248)
+    p.observe_plain(16, 0.300)
+    assert p.cost(16, 0) == pytest.approx(0.248)
+    assert p.drafting_gain(16) < 2.0  # (the width-1 pair alone priced drafting at ~2x the target alone)
+    p.observe(rids, [0] * 16, 1, 16, 0.200)  # a probe
+    assert p.costs[(16, 1)] == pytest.approx((2 * 0.427 + 0.200) / 3)
+    for _ in range(20):
+        p.observe(rids, [1] * 16, 2, 16, 0.248)
+    assert p.costs[(16, 2)] == pytest.approx(0.248)  # many samples: the moving average, as before
+
+
 def test_planner_picks_a_width_between_when_the_runner_has_them():
     """Eager steps of any width, width 8: cost linear in the width (4 ms at 1, 11 ms at 8) and every
     step accepts its first 2 drafts and rejects the third. Tokens/ms about 0.25 at width 1, 0.5 at 3,

@@ -233,6 +233,7 @@ class Planner:
     steps: int = 0
     last_run: dict[int, int] = field(default_factory=dict)  # width -> the step it last ran
     measured_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, width) -> step of its last run
+    samples: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, width) -> steps in its cost
     ratio: float | None = None  # cost(width 1) / cost(full width), latest seen
     # the widths a step can run (the runner's: every width eagerly, the captured ones in graphs);
     # () = 1 and the full width
@@ -352,8 +353,15 @@ class Planner:
             self._measure((bucket, 0), seconds)
 
     def _measure(self, key: tuple[int, int], seconds: float) -> None:
-        d = self.cfg.cost_decay
-        self.costs[key] = seconds if key not in self.costs else d * self.costs[key] + (1 - d) * seconds
+        # the plain mean of the first samples, then the moving average: the first sample alone was the
+        # cost of a shape that seldom runs (a probe's) until many probes had run (see :meth:`cost`)
+        # (a cost given without samples, an injected one: the moving average from the start)
+        if key not in self.costs:
+            self.costs[key], self.samples[key] = seconds, 1
+        else:
+            n = self.samples[key] = self.samples[key] + 1 if key in self.samples else 1 << 30
+            w = max(1 / n, 1 - self.cfg.cost_decay)
+            self.costs[key] = (1 - w) * self.costs[key] + w * seconds
         self.measured_at[key] = self.steps
         self._rescale(key)
 
@@ -362,6 +370,7 @@ class Planner:
         part of the live scale."""
         for key in [k for k, at in self.measured_at.items() if self.steps - at > self.cfg.stale_after]:
             del self.costs[key], self.measured_at[key]
+            self.samples.pop(key, None)
             if self._log_ratio.get(key[1], {}).pop(key[0], None) is not None:
                 self._rescore(key[1])
 
@@ -400,6 +409,21 @@ class Planner:
         return self.scale.get(width, self._borrowed)
 
     def cost(self, bucket: int, width: int) -> float | None:
+        """:meth:`_cost` with a one-token step capped by the wider steps measured at ``bucket`` (the
+        target alone, by width 1 of drafting requests): a wider step verifies more tokens and runs the
+        draft, so anything else is noise. Why: on the CPU at 16 requests, T=1, two width-1 steps measured
+        at 350 ms (the width-2 steps beside them: 250-330 ms) priced the target alone at 1.7x what it
+        cost; width 1 was then never within reach of a probe, and drafting went on at a 2x estimated
+        gain where it lost (docs/benchmarks.md, twenty-fourth session)."""
+        c = self._cost(bucket, width)
+        if c is None or width > 1:
+            return c
+        caps = [self.costs.get((bucket, w)) for w in (self.widths or (self.width,)) if w > 1]
+        if width == 0:
+            caps.append(self.cost(bucket, 1))
+        return min([c] + [x for x in caps if x is not None])
+
+    def _cost(self, bucket: int, width: int) -> float | None:
         """Seconds of a step at ``width`` (0: the target alone beside a drafter): measured at this
         bucket; else profiled, times what the shapes of that width that ran cost live over their
         profile (:meth:`_scale_of`: the other widths' where none has run); else derived from the
