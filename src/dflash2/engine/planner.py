@@ -353,15 +353,14 @@ class Planner:
             self._measure((bucket, 0), seconds)
 
     def _measure(self, key: tuple[int, int], seconds: float) -> None:
-        # the plain mean of the first samples, then the moving average: the first sample alone was the
-        # cost of a shape that seldom runs (a probe's) until many probes had run (see :meth:`cost`)
-        # (a cost given without samples, an injected one: the moving average from the start)
-        if key not in self.costs:
-            self.costs[key], self.samples[key] = seconds, 1
-        else:
-            n = self.samples[key] = self.samples[key] + 1 if key in self.samples else 1 << 30
-            w = max(1 / n, 1 - self.cfg.cost_decay)
-            self.costs[key] = (1 - w) * self.costs[key] + w * seconds
+        # the plain mean of the first samples, then the moving average (a cost given without samples, an
+        # injected one: the moving average). Why: the first sample alone stood for a shape that seldom
+        # runs (a probe's) until many probes had run (see :meth:`cost`)
+        n = self.samples.get(key, 0) + 1 if key in self.samples or key not in self.costs else None
+        if n is not None:
+            self.samples[key] = n
+        w = 1 - self.cfg.cost_decay if n is None else max(1 / n, 1 - self.cfg.cost_decay)
+        self.costs[key] = (1 - w) * self.costs.get(key, 0.0) + w * seconds
         self.measured_at[key] = self.steps
         self._rescale(key)
 

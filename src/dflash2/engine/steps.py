@@ -270,32 +270,28 @@ class OverlapClock:
     fixed width served 1.05x (docs/benchmarks.md, twenty-fourth session)."""
 
     def __init__(self, device: torch.device):
-        self.cuda = torch.device(device).type == "cuda"
-        self._events = (
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda else None
-        )
-        self._host = 0.0
-        self._ran = False
+        cuda = torch.device(device).type == "cuda"
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        self._host: float | None = 0.0  # the overlap's host time; None: read the events
 
     def run(self, overlap) -> None:
-        self._ran = overlap is not None
+        self._host = 0.0
         if overlap is None:
             return
-        if self._events is not None:
-            self._events[0].record()
-            overlap()
-            self._events[1].record()
-        else:
+        if self._events is None:
             t = time.perf_counter()
             overlap()
             self._host = time.perf_counter() - t
+            return
+        self._events[0].record()
+        overlap()
+        self._events[1].record()
+        self._host = None
 
     def seconds(self) -> float:
-        if not self._ran:
-            return 0.0
-        if self._events is not None:
-            return self._events[0].elapsed_time(self._events[1]) / 1e3
-        return self._host
+        if self._host is not None or self._events is None:
+            return self._host or 0.0
+        return self._events[0].elapsed_time(self._events[1]) / 1e3
 
 
 def finish_step(rows: torch.Tensor, t0: float, t1: float, clock: OverlapClock | None = None) -> StepOutput:
@@ -304,9 +300,7 @@ def finish_step(rows: torch.Tensor, t0: float, t1: float, clock: OverlapClock | 
     apart."""
     out = rows.tolist()
     ov = clock.seconds() if clock is not None else 0.0
-    res = StepOutput([row[: row[-1] + 1] for row in out], t1 - t0, time.perf_counter() - t1 - ov)
-    res.overlap_s = ov
-    return res
+    return StepOutput([row[: row[-1] + 1] for row in out], t1 - t0, time.perf_counter() - t1 - ov, overlap_s=ov)
 
 
 def wants_logprobs(reqs) -> bool:
