@@ -683,6 +683,57 @@ def test_deferred_counts_fold_in_order_and_forget_leaves_no_row():
     assert list(later.counts.prior_rates()) == list(prior) and later.steps == now.steps + 2
 
 
+@pytest.mark.parametrize("widths", [(), (1, 2, 3, 4, W)])
+def test_choice_ahead_is_the_choice_after_the_running_step(widths):
+    """``choose_ahead`` (made while a step runs, before it is observed) is the choice ``choose`` makes
+    once that step is observed at the cost it was priced at (its acceptance deferred, as the engine
+    does): probes, hysteresis and switches included. None while the running shape has no cost."""
+    rng = random.Random(4)
+    p = Planner(W, PlannerConfig(mode="auto", probe_every=6, stale_after=10**6))
+    p.widths = widths
+    rids = [f"r{i}" for i in range(4)]
+    assert p.choose_ahead(rids, 4, W) is None  # the cold start: the first full-width step's cost is awaited
+    p.observe(rids, [4] * 4, W, 4, 0.010)
+    assert p.choose_ahead(rids, 4, 1) is None  # width 1 never ran at 4 rows
+    p.costs[(4, 1)] = 0.004
+    width, seen = p.choose(rids, 4), set()
+    for k in range(120):
+        good = k // 30 % 2 == 0  # drafting pays, then not, then again
+        acc = [rng.randint(2, 4) if good else rng.randint(0, 1) for _ in rids] if width > 1 else [0] * 4
+        p.fold()  # the engine's overlap: the last step's counts first
+        ahead = p.choose_ahead(rids, 4, width)
+        p.observe(rids, acc, width, 4, p.cost(4, width), defer=True)
+        width = p.choose(rids, 4)
+        assert ahead == width, k
+        seen.add(width)
+    assert {1, W} <= seen
+
+
+@pytest.mark.parametrize("runner", ["paged", "static"])
+def test_engine_takes_the_width_chosen_during_the_last_step(llama, runner, monkeypatch):
+    """With the planner on, the engine chooses the next step's width inside the running step (its
+    overlap), so most steps start without calling ``choose``; a step whose batch bucket changed
+    chooses afresh. Output is the target's greedy one."""
+    t, d = llama
+    cfg = EngineConfig(max_running_requests=3, num_draft_tokens=W, context_length=128, runner=runner,
+                       speculative_planner="auto")  # fmt: skip
+    eng = LLMEngine(t, d, cfg)
+    calls = {"choose": 0, "ahead": 0}
+    real_choose, real_ahead = eng.planner.choose, eng.planner.choose_ahead
+    monkeypatch.setattr(eng.planner, "choose", lambda *a: calls.update(choose=calls["choose"] + 1) or real_choose(*a))
+    monkeypatch.setattr(
+        eng.planner, "choose_ahead", lambda *a: calls.update(ahead=calls["ahead"] + 1) or real_ahead(*a)
+    )
+    prompts = [torch.randint(3, VOCAB, (5 + i,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(3)]
+    reqs = [Request(p, SamplingParams(max_new_tokens=40)) for p in prompts]
+    for r in reqs:
+        eng.add_request(r)
+    eng.run_until_done()
+    assert calls["ahead"] >= eng.stats.steps - 2 and calls["choose"] < eng.stats.steps / 3, (calls, eng.stats.steps)
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == hf_greedy(t, torch.tensor(p), r.sampling.max_new_tokens)
+
+
 @pytest.mark.parametrize("runner", ["paged", "static"])
 def test_engine_folds_counts_while_the_step_runs_and_keeps_no_finished_row(llama, runner, monkeypatch):
     """The engine's planner folds the last step's acceptance inside the runner's step (between its

@@ -43,6 +43,8 @@ class ConcurrencyRow:
     # of a step: host time outside the runner's step (the planner's choice before it, observation and
     # bookkeeping after), where a fixed width and the planner differ
     host_ms_per_step: float = 0.0
+    plan_ms_per_step: float = 0.0  # of host_ms_per_step: the planner's calls (and the retirement check)
+    overlap_ms_per_step: float = 0.0  # what the prefills run inside steps added to a step's wall
 
 
 def measure(
@@ -125,6 +127,8 @@ def measure(
         planner_state=eng.planner.state() if eng.planner.adapts else {},
         step_ms_by_shape={k: [n, round(1e3 * t / n, 3)] for k, (n, t) in sorted(s.step_s_by_shape.items())},
         host_ms_per_step=1e3 * s.host_s / steps,
+        plan_ms_per_step=1e3 * s.plan_s / steps,
+        overlap_ms_per_step=1e3 * s.overlap_s / steps,
     )
 
 
@@ -158,6 +162,8 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
         planner_state=rows[-1].planner_state,
         step_ms_by_shape=rows[-1].step_ms_by_shape,
         host_ms_per_step=avg("host_ms_per_step"),
+        plan_ms_per_step=avg("plan_ms_per_step"),
+        overlap_ms_per_step=avg("overlap_ms_per_step"),
     )
 
 

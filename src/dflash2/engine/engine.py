@@ -156,6 +156,8 @@ class EngineStats:
     verify_s: float = 0.0  # time in the target verify forward
     step_s: float = 0.0  # whole batched steps (prefills excluded)
     host_s: float = 0.0  # of step_s: outside runner.step (the planner before it, bookkeeping after)
+    plan_s: float = 0.0  # of host_s: the planner's calls (retirement, the width, the observation)
+    overlap_s: float = 0.0  # what the work run inside steps (prefills) added to their wall (OverlapClock)
     prefill_s: float = 0.0  # prefill chunks, first tokens included
     steps_by_width: dict[int, int] = field(default_factory=dict)  # the planner's choices
     # "bucket x width" -> [steps, seconds] (width 0: the target alone, no drafter upkeep); what the
@@ -193,6 +195,7 @@ class LLMEngine:
         self.prefilling: deque[Request] = deque()  # admitted, prompt not all in the runner yet (FIFO)
         # new requests whose prompt is in, and their first tokens on the device, read after the step
         self._due: list[tuple[list[tuple[Request, torch.Tensor]], torch.Tensor]] = []
+        self._ahead: tuple[int, int] | None = None  # (bucket, width): the next step's, chosen during this one
         self.heartbeat = time.monotonic()  # the loop's last pass (for /health)
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -435,12 +438,23 @@ class LLMEngine:
                     self.stats.requests_retired += 1
             drafters = 0
         drafting = drafters > 0 and drafters == len(reqs)
-        width = self.planner.choose(rids, bucket) if drafting else 1  # a request that does not draft: width 1
+        ahead, self._ahead = self._ahead, None
+        if not drafting:  # a request that does not draft: width 1
+            width = 1
+        elif ahead is not None and ahead[0] == bucket:  # chosen while the last step ran
+            width = ahead[1]
+        else:
+            width = self.planner.choose(rids, bucket)
+        t_plan = time.perf_counter()
         sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device)
         t_run = time.perf_counter()
 
-        def overlap() -> None:  # host work while the device runs the step: the last step's counts, a prefill
+        def overlap() -> None:
+            # host work while the device runs the step: the last step's counts, the next step's width, a prefill
             self.planner.fold()
+            if drafting and self.planner.adapts:
+                nxt = self.planner.choose_ahead(rids, bucket, width)
+                self._ahead = None if nxt is None else (bucket, nxt)
             self._prefill_some(defer=True)
 
         try:
@@ -473,15 +487,19 @@ class LLMEngine:
         # the step's own wall: without what the prefill launched inside it added (OverlapClock)
         seconds = time.perf_counter() - t0 - out.overlap_s
         s.step_s += seconds
+        s.overlap_s += out.overlap_s
         plain = self.draft is not None and not drafters  # the target alone, no drafter upkeep
         shape = s.step_s_by_shape.setdefault(f"{bucket}x{0 if plain else width}", [0, 0.0])
         shape[0], shape[1] = shape[0] + 1, shape[1] + seconds
+        t_obs = time.perf_counter()
         if drafting or self.draft is None:  # counts folded while the next step runs; finished ones are gone
             live = [(r.request_id, n) for r, n in zip(reqs, out.num_accepted) if not r.finished]
             self.planner.observe([i for i, _ in live], [n for _, n in live], width, bucket, seconds, defer=True)
         elif plain:
             self.planner.observe_plain(bucket, seconds)
-        s.host_s += (t_run - t0) + (time.perf_counter() - t_back)
+        t_end = time.perf_counter()
+        s.host_s += (t_run - t0) + (t_end - t_back)
+        s.plan_s += (t_plan - t0) + (t_end - t_obs)
 
     def _prefill_some(self, defer: bool = False) -> None:
         """Up to ``chunked_prefill_size`` prompt tokens, oldest admitted first; a request whose prompt

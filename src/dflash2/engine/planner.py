@@ -283,16 +283,34 @@ class Planner:
             return next((w for b, w in cfg.schedule if len(rids) <= b), 1)
         if cfg.mode == "off":
             return W
+        return self._choose(rids, bucket, self.current, self.steps)
+
+    def choose_ahead(self, rids: list[str], bucket: int, running: int) -> int | None:
+        """:meth:`choose` for the step after the one running now at width ``running`` (not observed
+        yet), made while the device runs it: the engine calls it from the step's overlap, so the next
+        step starts without planner work on the host. Its cost and acceptance come one step late (as
+        the deferred counts do already). None where the running step is the first of its shape (its
+        cost is what the choice waits for) or the planner does not adapt. Why: the choice before each
+        step was 0.10-0.13 ms of host work a step on the H200 at 32-64 requests, T=1 (2-3% of the step;
+        docs/benchmarks.md, twenty-fifth session)."""
+        if not self.adapts or self.cost(bucket, running) is None:
+            return None
+        return self._choose(rids, bucket, running, self.steps + 1)
+
+    def _choose(self, rids: list[str], bucket: int, current: int, steps: int) -> int:
+        """The choice of an adapting planner, with ``current`` the width of the last step and ``steps``
+        the steps run by then (it ran at ``steps``)."""
+        W, cfg = self.width, self.cfg
         cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {1, W})}
         if cost[W] is None:  # cold start: full blocks (and their cost and acceptance are learned)
             return W
         if cost[1] is None:  # try width 1 once, to learn what it costs
             return 1
-        keep = self.current if self.current in cost else W
+        keep = current if current in cost else W
         tokens = self.expected_by_width(rids)
         rate = {w: tokens[w - 1] / c for w, c in cost.items() if c is not None}
         for end in (1, W):  # a probe keeps each end's cost (and, at the full width, acceptance) fresh
-            if end != keep and self.steps - self.last_run.get(end, 0) >= cfg.probe_every:
+            if end != keep and steps - self.last_run.get(end, 0) >= cfg.probe_every:
                 if end == W or rate[1] * (1 + cfg.probe_reach) >= rate[keep]:
                     return end
         ends = max(rate[1], rate[W])
