@@ -552,3 +552,20 @@ def test_disable_torch_compile_reaches_the_runner(llama, monkeypatch):
         LLMEngine(t, d, EngineConfig(max_running_requests=1, disable_torch_compile=off))
         assert d._layer_fn is None  # on the CPU the runner never compiles; an earlier compile is undone
     assert seen == [False, True]
+
+
+def test_cpu_engine_keeps_freed_memory_in_the_heap(llama, monkeypatch):
+    """An engine on the CPU tunes glibc's malloc once (freed activations stay in the heap, so a forward
+    does not page-fault its buffers in again after a larger one); on glibc the three settings apply."""
+    import platform
+
+    import dflash2.engine.engine as engine_mod
+    from dflash2.engine.model_runner import tune_cpu_malloc
+
+    calls = []
+    monkeypatch.setattr(engine_mod, "tune_cpu_malloc", lambda: calls.append(1) or True)
+    t, d = llama
+    LLMEngine(t, d, EngineConfig(max_running_requests=2, num_draft_tokens=4, context_length=64))
+    assert calls == [1]
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert tune_cpu_malloc() is True and tune_cpu_malloc() is True  # once a process, then remembered

@@ -24,7 +24,7 @@ import torch
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
 from .graph_runner import GraphModelRunner, cuda_graphs_apply, static_bytes, static_supported
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, tune_cpu_malloc
 from .planner import Planner, PlannerConfig, cached_profile, parse_schedule
 from .request import Request, prefill_ids
 from .scheduler import Scheduler
@@ -176,6 +176,8 @@ class LLMEngine:
         if cfg.chunked_prefill_size is None:
             cfg = dataclasses.replace(cfg, chunked_prefill_size=2048 if target.device.type == "cuda" else 256)
         self.cfg = cfg
+        if target.device.type == "cpu":
+            tune_cpu_malloc()
         self.target, self.draft = target, (draft if cfg.speculative else None)
         self.width = cfg.num_draft_tokens if self.draft is not None else 1
         self.planner = Planner(

@@ -24,6 +24,37 @@ from .request import Request, prefill_ids
 from .steps import BatchSampling, StepOutput
 
 
+_MALLOC_TUNED: bool | None = None  # None: not tried in this process
+
+
+def tune_cpu_malloc() -> bool:
+    """Keep freed memory in glibc's heap (``mallopt``: allocations under 32 MiB from the heap, a
+    trim threshold of 1 GiB, 64 MiB of top padding), once a process; False where the C library is
+    not glibc. Why: by default glibc maps each large activation afresh and unmaps it when freed, so
+    every CPU forward page-faults its buffers in again. On the 2-core EPYC at 16 rows, SmolLM2's
+    one-token forward took 196 ms before a 3-token one and 377 ms right after it (its buffers
+    unmapped in between); with this, 148 and 162 ms, and the 3-token one 274 -> 244 ms. Those after-
+    effects made the planner's one-token steps look 1.4x dearer among drafting steps than in a run of
+    the target alone, so it drafted at a loss (docs/benchmarks.md, twenty-fifth session)."""
+    global _MALLOC_TUNED
+    if _MALLOC_TUNED is None:
+        _MALLOC_TUNED = False
+        try:
+            import ctypes
+
+            mallopt = ctypes.CDLL("libc.so.6").mallopt
+            M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+            done = [
+                mallopt(M_MMAP_THRESHOLD, 32 << 20),
+                mallopt(M_TRIM_THRESHOLD, 1 << 30),
+                mallopt(M_TOP_PAD, 64 << 20),
+            ]
+            _MALLOC_TUNED = all(x == 1 for x in done)
+        except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator as it is
+            pass
+    return _MALLOC_TUNED
+
+
 def layer_kv(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[B, h, T, d]`` of a plain attention cache layer (the only kind the paged pool holds)."""
     k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
