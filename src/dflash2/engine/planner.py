@@ -290,9 +290,11 @@ class Planner:
         yet), made while the device runs it: the engine calls it from the step's overlap, so the next
         step starts without planner work on the host. Its cost and acceptance come one step late (as
         the deferred counts do already). None where the running step is the first of its shape (its
-        cost is what the choice waits for) or the planner does not adapt. Why: the choice before each
-        step was 0.10-0.13 ms of host work a step on the H200 at 32-64 requests, T=1 (2-3% of the step;
-        docs/benchmarks.md, twenty-fifth session)."""
+        cost is what the choice waits for) or the planner does not adapt. Why: on the H200 at 32-64
+        requests, T=1, the planner's steps had 0.10-0.13 ms more host work than the fixed width's (2-3%
+        of a step), the choice most of what ran before the step; in the CPU engine at 64 requests the
+        host work outside the step fell from 0.74-1.10 to 0.59-0.71 ms (docs/benchmarks.md,
+        twenty-fifth session)."""
         if not self.adapts or self.cost(bucket, running) is None:
             return None
         return self._choose(rids, bucket, running, self.steps + 1)
