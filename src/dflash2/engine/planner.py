@@ -77,8 +77,9 @@ class PlannerConfig:
     probe_every: int = 32  # steps at one width between probes of the other
     # width 1 is probed only where its estimated tokens/s is within this much of the current width's:
     # each probe costs a step's drafts (on the H200 at T=0, one step in 32 at one token where drafting
-    # gave 3.4: ~2% of the fixed width's speed, docs/benchmarks.md, nineteenth session). The full width
-    # is always probed: width 1 observes no acceptance
+    # gave 3.4: ~2% of the fixed width's speed, docs/benchmarks.md, nineteenth session). The upper end
+    # is always probed (width 1 observes no acceptance): the full width, or width 2 where every width can
+    # run and the batch sits at width 1
     probe_reach: float = 0.5
     prior: float = 0.9  # per-draft acceptance before anything is observed
     prior_weight: float = 2.0  # pseudo-drafts of the prior in a request's estimate
@@ -232,6 +233,7 @@ class Planner:
     current: int = 0  # the width of the last step (0: none yet)
     steps: int = 0
     last_run: dict[int, int] = field(default_factory=dict)  # width -> the step it last ran
+    probed: int = 0  # the step of the last drafting step after a step at width 1 (the upper end's probe)
     measured_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, width) -> step of its last run
     samples: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, width) -> steps in its cost
     ratio: float | None = None  # cost(width 1) / cost(full width), latest seen
@@ -297,12 +299,14 @@ class Planner:
         twenty-fifth session)."""
         if not self.adapts or self.cost(bucket, running) is None:
             return None
-        return self._choose(rids, bucket, running, self.steps + 1)
+        probed = self.steps + 1 if running > 1 and self.current == 1 else self.probed
+        return self._choose(rids, bucket, running, self.steps + 1, probed)
 
-    def _choose(self, rids: list[str], bucket: int, current: int, steps: int) -> int:
-        """The choice of an adapting planner, with ``current`` the width of the last step and ``steps``
-        the steps run by then (it ran at ``steps``)."""
+    def _choose(self, rids: list[str], bucket: int, current: int, steps: int, probed: int | None = None) -> int:
+        """The choice of an adapting planner, with ``current`` the width of the last step, ``steps`` the
+        steps run by then (it ran at ``steps``) and ``probed`` the step of the last drafting probe."""
         W, cfg = self.width, self.cfg
+        probed = self.probed if probed is None else probed
         cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {1, W})}
         if cost[W] is None:  # cold start: full blocks (and their cost and acceptance are learned)
             return W
@@ -311,10 +315,17 @@ class Planner:
         keep = current if current in cost else W
         tokens = self.expected_by_width(rids)
         rate = {w: tokens[w - 1] / c for w, c in cost.items() if c is not None}
+        # a batch at width 1 probes drafting at width 2 where every width can run (the eager runner): the
+        # cheapest step that sees acceptance (the first draft's decides whether any drafting pays). Why: on
+        # the CPU at 16 requests, T=1, a full-width step cost ~4x a one-token one, and the full-width
+        # probes and cold starts were ~15 s of a 79 s run at 0.89x of the target alone
+        # (docs/benchmarks.md, twenty-fifth session)
+        cheap = 2 if keep == 1 and 2 in cost else W
         for end in (1, W):  # a probe keeps each end's cost (and, at the full width, acceptance) fresh
-            if end != keep and steps - self.last_run.get(end, 0) >= cfg.probe_every:
+            last = max(self.last_run.get(W, 0), probed) if end == W else self.last_run.get(1, 0)
+            if end != keep and steps - last >= cfg.probe_every:
                 if end == W or rate[1] * (1 + cfg.probe_reach) >= rate[keep]:
-                    return end
+                    return cheap if end == W else end
         ends = max(rate[1], rate[W])
         best = max(rate, key=lambda w: rate[w] if w in (1, W) or rate[w] > ends * (1 + cfg.between_margin) else 0.0)
         return best if rate[best] > rate[keep] * (1 + cfg.hysteresis) else keep
@@ -496,6 +507,8 @@ class Planner:
         self.steps += 1
         if self.steps % self.cfg.retire_every == 0:
             self._expire()
+        if width > 1 and self.current == 1:
+            self.probed = self.steps
         self.last_run[width], self.current = self.steps, width
         if (bucket, 1) in self.costs and (bucket, self.width) in self.costs:
             self.ratio = self.costs[(bucket, 1)] / self.costs[(bucket, self.width)]
