@@ -454,7 +454,7 @@ class LLMEngine:
         def overlap() -> None:
             # host work while the device runs the step: the last step's counts, the next step's width, a prefill
             self.planner.fold()
-            if drafting and self.planner.adapts:
+            if drafting:  # (None where the planner does not adapt)
                 nxt = self.planner.choose_ahead(rids, bucket, width)
                 self._ahead = None if nxt is None else (bucket, nxt)
             self._prefill_some(defer=True)

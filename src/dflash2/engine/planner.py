@@ -285,7 +285,7 @@ class Planner:
             return next((w for b, w in cfg.schedule if len(rids) <= b), 1)
         if cfg.mode == "off":
             return W
-        return self._choose(rids, bucket, self.current, self.steps)
+        return self._choose(rids, bucket, self.current, self.steps, self.probed)
 
     def choose_ahead(self, rids: list[str], bucket: int, running: int) -> int | None:
         """:meth:`choose` for the step after the one running now at width ``running`` (not observed
@@ -299,14 +299,17 @@ class Planner:
         twenty-fifth session)."""
         if not self.adapts or self.cost(bucket, running) is None:
             return None
-        probed = self.steps + 1 if running > 1 and self.current == 1 else self.probed
-        return self._choose(rids, bucket, running, self.steps + 1, probed)
+        step = self.steps + 1
+        return self._choose(rids, bucket, running, step, self._probed_after(running, step))
 
-    def _choose(self, rids: list[str], bucket: int, current: int, steps: int, probed: int | None = None) -> int:
+    def _probed_after(self, width: int, step: int) -> int:
+        """``probed`` once a step at ``width`` runs as step ``step``: a drafting step after width 1 is a probe."""
+        return step if width > 1 and self.current == 1 else self.probed
+
+    def _choose(self, rids: list[str], bucket: int, current: int, steps: int, probed: int) -> int:
         """The choice of an adapting planner, with ``current`` the width of the last step, ``steps`` the
         steps run by then (it ran at ``steps``) and ``probed`` the step of the last drafting probe."""
         W, cfg = self.width, self.cfg
-        probed = self.probed if probed is None else probed
         cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {1, W})}
         if cost[W] is None:  # cold start: full blocks (and their cost and acceptance are learned)
             return W
@@ -507,8 +510,7 @@ class Planner:
         self.steps += 1
         if self.steps % self.cfg.retire_every == 0:
             self._expire()
-        if width > 1 and self.current == 1:
-            self.probed = self.steps
+        self.probed = self._probed_after(width, self.steps)
         self.last_run[width], self.current = self.steps, width
         if (bucket, 1) in self.costs and (bucket, self.width) in self.costs:
             self.ratio = self.costs[(bucket, 1)] / self.costs[(bucket, self.width)]
