@@ -23,28 +23,16 @@ sys.path.insert(0, str(ROOT / "src"))
 
 def run(mode: str, temperature: float, prompts: int, running: int, force: str | None) -> dict:
     from dflash2.cli import build_parser
-    from dflash2.engine.engine import EngineConfig, LLMEngine
+    from dflash2.engine.engine import LLMEngine
     from dflash2.entry import load_models
     from dflash2.sampling import SamplingParams
-    from dflash2.server.launch import kv_budget_tokens
+    from dflash2.server.launch import engine_config
     from dflash2.training.sources import load_prompts
 
     flags = ["--speculative-algorithm", "NONE"] if mode == "none" else ["--speculative-planner", mode]
     args = build_parser().parse_args(["serve", "--max-running-requests", str(running), *flags])
     target, draft, width = load_models(args)
-    cfg = EngineConfig.for_models(
-        target,
-        draft,
-        width,
-        context_length=args.context_length,
-        max_running_requests=running,
-        block_verification=args.speculative_use_block_verification,
-        max_total_tokens=kv_budget_tokens(args, target),
-        page_size=args.page_size,
-        runner=args.model_runner,
-        chunked_prefill_size=args.chunked_prefill_size,
-        speculative_planner=args.speculative_planner,
-    )
+    cfg = engine_config(args, target, draft, width)
     eng = LLMEngine(target, draft, cfg)
     tok = target.tokenizer
     texts = [p.messages[-1]["content"] for p in load_prompts(ROOT / "work" / "recipe" / "heldout_prompts.jsonl")]

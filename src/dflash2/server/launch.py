@@ -132,26 +132,11 @@ def kv_budget_tokens(args, target) -> int:
     return int(free * args.mem_fraction_static / target.kv_bytes_per_token)
 
 
-def cmd_serve(args) -> int:
-    import uvicorn
+def engine_config(args, target, draft, width: int):
+    """The engine's config from ``serve``'s parsed flags (the server's, and scripts that run its engine offline)."""
+    from ..engine.engine import EngineConfig
 
-    from ..entry import load_models
-    from ..engine.engine import EngineConfig, LLMEngine
-    from .app import create_app
-
-    check_flags(args)
-    logging.basicConfig(level=args.log_level.upper())
-    for note in flag_notes(args):
-        print(note, flush=True)
-    if args.random_seed is not None:
-        import torch
-
-        torch.manual_seed(args.random_seed)  # unseeded requests draw their seeds from it
-    target, draft, width = load_models(args)
-    if args.chat_template:
-        path = Path(args.chat_template)
-        target.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
-    cfg = EngineConfig.for_models(
+    return EngineConfig.for_models(
         target,
         draft,
         width,
@@ -169,6 +154,28 @@ def cmd_serve(args) -> int:
         speculative_planner=args.speculative_planner,
         speculative_width_schedule=args.speculative_width_schedule,
     )
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from ..entry import load_models
+    from ..engine.engine import LLMEngine
+    from .app import create_app
+
+    check_flags(args)
+    logging.basicConfig(level=args.log_level.upper())
+    for note in flag_notes(args):
+        print(note, flush=True)
+    if args.random_seed is not None:
+        import torch
+
+        torch.manual_seed(args.random_seed)  # unseeded requests draw their seeds from it
+    target, draft, width = load_models(args)
+    if args.chat_template:
+        path = Path(args.chat_template)
+        target.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
+    cfg = engine_config(args, target, draft, width)
     ctx = cfg.context_length
     engine = LLMEngine(target, draft, cfg)
     engine.start()
