@@ -777,6 +777,7 @@ def stage_engine(args) -> None:
             adaptive=args.adaptive,
             attention_backends=tuple(args.attention_backends.split(",")),
             on_level=keep,
+            deadline=T_START + args.deadline_s,
         )
         print(f"engine, CUDA graphs, bf16, {set_name}, T={temp}\n" + engine_speed.table(rows), flush=True)
         keep(rows)

@@ -178,6 +178,36 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
     assert spec.accept_length == pytest.approx(2.0)
 
 
+def test_engine_speed_stops_rounds_and_levels_at_the_deadline(monkeypatch):
+    """Past the deadline no further round of a level starts (the level keeps the rounds it ran), and
+    a level does not start with less time left than the last one took."""
+    from dflash2.benchmark import engine_speed as es
+
+    clock = [0.0]
+    monkeypatch.setattr(es.time, "time", lambda: clock[0])
+
+    def fake_measure(target, draft, ids, w, block, c, mnt, temp, name, rps=None, **kw):
+        clock[0] += 10.0  # every run, warm-up included, takes 10 s
+        return None if name == "warm-up" else es.ConcurrencyRow(name, c, 2, 100, 10.0, 10.0, 1.0, 1.0, 2.0, 3.0)
+
+    monkeypatch.setattr(es, "measure", fake_measure)
+    monkeypatch.setattr(es, "render", lambda tok, p: [1, 2])
+
+    def rows_with(deadline):
+        clock[0] = 0.0
+        target = type("T", (), {"tokenizer": None})()
+        rows = es.run(target, "draft", ["a"], [5], ["block"], [4, 8], 8, 0.0, rounds=3, deadline=deadline)
+        assert len(rows) % 2 == 0 and all(r.config == "target" for r in rows[::2])  # target, then w=5, a level
+        return [(r.concurrency, r.rounds) for r in rows[::2]]
+
+    # a level: 20 s of warm-up (target and w=5), then 20 s a round
+    assert rows_with(None) == [(4, 3), (8, 3)]
+    assert rows_with(45.0) == [(4, 2)]  # round 3 would start at 60 s; c=8 has no time left
+    # c=4 done at 80 s: 60 s left is less than the 80 s it took, so c=8 is not started
+    assert rows_with(140.0) == [(4, 3)]
+    assert rows_with(170.0) == [(4, 3), (8, 3)]
+
+
 def test_side_by_side_pairs_prompts_and_rotates(monkeypatch):
     """Batch-1 side by side: every prompt runs every config back to back, the order rotated per
     prompt; rows pool tokens over seconds and speedup is against the target row."""

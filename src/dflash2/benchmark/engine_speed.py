@@ -183,6 +183,7 @@ def run(
     adaptive: bool = False,
     attention_backends: tuple[str, ...] = ("auto",),
     engine_kw: dict | None = None,
+    deadline: float | None = None,
 ) -> list[ConcurrencyRow]:
     """Every config at every concurrency, ``rounds`` times. Round k runs the configs in an order
     rotated by k (target included), so no config is always the first after a change: on a lent,
@@ -191,7 +192,11 @@ def run(
     ``adaptive``: each DFlash2 config again with the planner choosing its width per step.
     ``attention_backends``: every config (the target too) once per backend, each speedup against
     the target on the same backend. ``engine_kw``: further :class:`EngineConfig` fields for every
-    engine (``disable_cuda_graph``, ``synthetic_acceptance``: then every name says "synthetic")."""
+    engine (``disable_cuda_graph``, ``synthetic_acceptance``: then every name says "synthetic").
+    ``deadline`` (a ``time.time()``): no round after a level's first starts past it, and no level
+    starts with less time left than the last level took. Why: on the H200 a call's c=128 level
+    started 3.6 min before the script's deadline, ran past the call's limit, and its 4 minutes of
+    device time came back with nothing (docs/gpu_runs.md, twenty-sixth session)."""
     ids = [render(target.tokenizer, p) for p in prompts]
     configs = []
     for a in attention_backends:
@@ -203,8 +208,11 @@ def run(
             for w in widths
             for v in verifiers
         ]
-    rows, slot = [], 0
+    rows, slot, level_s = [], 0, 0.0
     for c in concurrencies:
+        t_level = time.time()
+        if deadline is not None and rows and deadline - t_level < level_s:
+            break
         done: dict[str, list[ConcurrencyRow]] = {name: [] for name, *_ in configs}
         engines: dict = {}  # this level's engines, dropped before the next level builds its own
         # An untimed pass of every config at this level first: on the H200 the first run of each
@@ -229,6 +237,8 @@ def run(
                 engine_kw=engine_kw,
             )
         for k in range(rounds):
+            if k and deadline is not None and time.time() > deadline:
+                break
             for name, d, w, block, p, a in configs[k % len(configs) :] + configs[: k % len(configs)]:
                 row = measure(
                     target,
@@ -254,6 +264,7 @@ def run(
             if d is not None:
                 r.speedup = r.tokens_per_s / base[a].tokens_per_s
         rows += level
+        level_s = time.time() - t_level
         if on_level is not None:
             on_level(rows)
     return rows
