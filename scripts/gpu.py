@@ -768,7 +768,8 @@ def stage_engine(args) -> None:
             draft,
             set_prompts,
             [int(w) for w in args.speed_widths.split(",")],
-            args.speed_verifiers.split(","),
+            # at T=0 every verifier is the greedy one (the same graphs): one row, not one per verifier
+            args.speed_verifiers.split(",")[: 1 if temp == 0 else None],
             concs,
             args.graph_tokens,
             temp,
