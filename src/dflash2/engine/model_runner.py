@@ -11,6 +11,8 @@ targets use :class:`GraphModelRunner` instead (static buffers, CUDA graphs per b
 
 from __future__ import annotations
 
+import functools
+
 import time
 
 import torch
@@ -24,9 +26,7 @@ from .request import Request, prefill_ids
 from .steps import BatchSampling, StepOutput
 
 
-_MALLOC_TUNED: bool | None = None  # None: not tried in this process
-
-
+@functools.cache
 def tune_cpu_malloc() -> bool:
     """Keep freed memory in glibc's heap (``mallopt``: allocations under 32 MiB from the heap, a
     trim threshold of 1 GiB, 64 MiB of top padding), once a process; False where the C library is
@@ -36,23 +36,15 @@ def tune_cpu_malloc() -> bool:
     unmapped in between); with this, 148 and 162 ms, and the 3-token one 274 -> 244 ms. Those after-
     effects made the planner's one-token steps look 1.4x dearer among drafting steps than in a run of
     the target alone, so it drafted at a loss (docs/benchmarks.md, twenty-fifth session)."""
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED is None:
-        _MALLOC_TUNED = False
-        try:
-            import ctypes
+    try:
+        import ctypes
 
-            mallopt = ctypes.CDLL("libc.so.6").mallopt
-            M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-            done = [
-                mallopt(M_MMAP_THRESHOLD, 32 << 20),
-                mallopt(M_TRIM_THRESHOLD, 1 << 30),
-                mallopt(M_TOP_PAD, 64 << 20),
-            ]
-            _MALLOC_TUNED = all(x == 1 for x in done)
-        except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator as it is
-            pass
-    return _MALLOC_TUNED
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator as it is
+        return False
+    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+    done = [mallopt(M_MMAP_THRESHOLD, 32 << 20), mallopt(M_TRIM_THRESHOLD, 1 << 30), mallopt(M_TOP_PAD, 64 << 20)]
+    return all(x == 1 for x in done)
 
 
 def layer_kv(layer) -> tuple[torch.Tensor, torch.Tensor]:

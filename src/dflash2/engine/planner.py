@@ -318,17 +318,18 @@ class Planner:
         keep = current if current in cost else W
         tokens = self.expected_by_width(rids)
         rate = {w: tokens[w - 1] / c for w, c in cost.items() if c is not None}
-        # a batch at width 1 probes drafting at width 2 where every width can run (the eager runner): the
-        # cheapest step that sees acceptance (the first draft's decides whether any drafting pays). Why: on
-        # the CPU at 16 requests, T=1, a full-width step cost ~4x a one-token one, and the full-width
-        # probes and cold starts were ~15 s of a 79 s run at 0.89x of the target alone
-        # (docs/benchmarks.md, twenty-fifth session)
-        cheap = 2 if keep == 1 and 2 in cost else W
         for end in (1, W):  # a probe keeps each end's cost (and, at the full width, acceptance) fresh
             last = max(self.last_run.get(W, 0), probed) if end == W else self.last_run.get(1, 0)
             if end != keep and steps - last >= cfg.probe_every:
-                if end == W or rate[1] * (1 + cfg.probe_reach) >= rate[keep]:
-                    return cheap if end == W else end
+                if end == 1 and rate[1] * (1 + cfg.probe_reach) >= rate[keep]:
+                    return 1
+                if end == W:
+                    # a batch at width 1 probes drafting at width 2 where every width can run (the eager
+                    # runner): the cheapest step that sees acceptance (the first draft's decides whether
+                    # any drafting pays). Why: on the CPU at 16 requests, T=1, a full-width step cost ~4x
+                    # a one-token one, and the full-width probes and cold starts were ~15 s of a 79 s run
+                    # at 0.89x of the target alone (docs/benchmarks.md, twenty-fifth session)
+                    return 2 if keep == 1 and 2 in cost else W
         ends = max(rate[1], rate[W])
         best = max(rate, key=lambda w: rate[w] if w in (1, W) or rate[w] > ends * (1 + cfg.between_margin) else 0.0)
         return best if rate[best] > rate[keep] * (1 + cfg.hysteresis) else keep
