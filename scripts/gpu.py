@@ -1477,6 +1477,59 @@ def stage_attn(args) -> None:
         (OUT / "attn.json").write_text(json.dumps(report, indent=1))
 
 
+def stage_shape(args) -> None:
+    """Engine speed on a random-weight target of a real shape (``--target-shape``) with the published
+    drafter architecture at its size, at each ``--acceptances`` rate (synthetic: the verifier accepts
+    draft position i with that probability): the model is built once for every rate. Each finished
+    level goes to $OUT/shape.json with the seconds it took (building and capturing dominate at 8B)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from dflash2.benchmark import engine_speed, shapes
+    from dflash2.benchmark.speed import gsm8k_test_prompts
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    report: dict = {"env": env_report(), "shape": args.target_shape, "speed": {}, "seconds": {}}
+    t0 = time.time()
+    tok = AutoTokenizer.from_pretrained(ROOT / "work" / "tok")
+    dtype = torch.bfloat16 if args.graph_device == "cuda" else torch.float32  # cpu: a dry run
+    target, draft = shapes.random_models(args.target_shape, args.graph_device, dtype, 5, tok)
+    report["seconds"]["build"] = round(time.time() - t0, 1)
+    log(f"built {args.target_shape} and its drafter in {report['seconds']['build']} s")
+    prompts = gsm8k_test_prompts(ROOT / "work" / "gsm8k_test.jsonl", 512)
+    for rate in [float(a) for a in args.acceptances.split(",")]:
+        key, t1 = f"a{rate}", time.time()
+
+        def keep(rows, key=key, t1=t1):
+            report["speed"][key] = [r.__dict__ for r in rows]
+            report["seconds"][key] = round(time.time() - t1, 1)
+            (OUT / "shape.json").write_text(json.dumps(report, indent=1))
+            log(f"{key}: {report['seconds'][key]} s so far")
+
+        rows = engine_speed.run(
+            target,
+            draft,
+            prompts,
+            [int(w) for w in args.speed_widths.split(",")],
+            args.speed_verifiers.split(","),
+            [int(c) for c in args.concurrency.split(",")],
+            args.graph_tokens,
+            args.speed_temperature,
+            requests_per_slot=args.requests_per_slot,
+            rounds=args.rounds,
+            adaptive=args.adaptive,
+            on_level=keep,
+            engine_kw={"synthetic_acceptance": (rate,)},
+            deadline=T_START + args.deadline_s,
+        )
+        print(
+            f"{args.target_shape}, synthetic acceptance {rate}, T={args.speed_temperature}\n"
+            + engine_speed.table(rows),
+            flush=True,
+        )
+        keep(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
@@ -1495,6 +1548,7 @@ def main() -> None:
             "layers",
             "prefill",
             "recipe",
+            "shape",
         ],
     )
     ap.add_argument("--recipe", default="models/smollm2-135m-dflash2/recipe.json", help="recipe: the train config")
@@ -1557,6 +1611,8 @@ def main() -> None:
     ap.add_argument(
         "--prompt-sets", default="gsm8k", help="engine: gsm8k and/or heldout (carry work/recipe/heldout_prompts.jsonl)"
     )
+    ap.add_argument("--target-shape", default="llama-8b", help="shape: the random target's shape")
+    ap.add_argument("--acceptances", default="0.92,0.5", help="shape: synthetic acceptance rates, one run each")
     ap.add_argument("--adaptive", action="store_true", help="engine: each DFlash2 row again with the planner on")
     ap.add_argument("--speed-verifiers", default="token,block", help="order of the rows, e.g. block,token")
     ap.add_argument(
@@ -1589,6 +1645,7 @@ def main() -> None:
         "layers": stage_layers,
         "prefill": stage_prefill,
         "recipe": stage_recipe,
+        "shape": stage_shape,
     }[args.stage](args)
 
 

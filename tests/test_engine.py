@@ -10,7 +10,7 @@ import torch
 from targets import VOCAB, build
 from test_speculative import hf_greedy, random_draft
 from dflash2.engine.engine import EngineConfig, LLMEngine
-from dflash2.engine.graph_runner import GraphModelRunner
+from dflash2.engine.graph_runner import GraphModelRunner, plan_prefill
 from dflash2.engine.model_runner import ModelRunner
 from dflash2.engine.request import Request
 from dflash2.target import TargetModel
@@ -145,6 +145,27 @@ def test_preemption_and_slot_moves(llama):
     assert [r.accept_hist for r in reqs] == [r.accept_hist for r in paged]
 
 
+def test_plan_prefill_weighs_padding_against_replays():
+    """The padded prefill's plan: without costs one replay of the smallest bucket that holds every
+    chunk; with costs the cheapest cut of the chunks, longest first, into groups. Where a padded row
+    costs compute (an 8B-like target: a replay's fixed cost ~ 170 tokens) five chunks go as 4 + 1
+    rows; where a replay's fixed cost dominates (a small target) as one 16-row replay."""
+    shapes = [(R, L) for R in (1, 4, 16) for L in (32, 128, 256)]
+    assert plan_prefill([100] * 5, shapes) == [(16, 128, [0, 1, 2, 3, 4])]
+    assert plan_prefill([100] * 17, shapes) is None and plan_prefill([300], shapes) is None
+    big = {(R, L): 0.004 + R * L * 2.3e-5 for R, L in shapes}
+    small = {(R, L): 0.0006 + R * L * 2e-7 for R, L in shapes}
+    assert sorted((R, L, len(idx)) for R, L, idx in plan_prefill([100] * 5, shapes, big)) == [(1, 128, 1), (4, 128, 4)]
+    assert plan_prefill([100] * 5, shapes, small) == [(16, 128, [0, 1, 2, 3, 4])]
+    # longest first: the long chunk alone, the short ones together in a short bucket
+    assert plan_prefill([30, 200, 30, 30, 30], shapes, big) == [(1, 256, [1]), (4, 32, [0, 2, 3, 4])]
+    # more chunks than the largest bucket's rows: several replays, every chunk once
+    plan = plan_prefill(list(range(1, 41)), shapes, small)
+    assert sorted(i for _, _, idx in plan for i in idx) == list(range(40))
+    assert all(len(idx) <= R and all(i + 1 <= L for i in idx) for R, L, idx in plan)
+    assert plan_prefill([300], shapes, big) is None
+
+
 def test_release_keeps_slots_contiguous(llama):
     t, d = llama
     runner = GraphModelRunner(t, d, 5, num_slots=4, max_len=64, cuda_graph=False)
@@ -178,23 +199,39 @@ def test_paged_slots_move_tables_not_data(llama):
     assert torch.equal(runner.static.k_cache[:, pages[2][0], :, :4], k_last)  # nothing copied
 
 
-@pytest.mark.parametrize("lengths", [(40,), (40, 17, 5)])
-def test_padded_prefill_equals_the_eager_prefill(llama, lengths):
+@pytest.mark.parametrize("lengths,split", [((40,), False), ((40, 17, 5), False), ((40, 17, 5), True)])
+def test_padded_prefill_equals_the_eager_prefill(llama, lengths, split):
     """New requests' first chunks, prefilled alone or together, are padded to a (rows, length) bucket
     (the function a CUDA graph replays on the GPU; three rows take the 4-row bucket, one of them
     padding on the scratch page): each last logits row is the target's, and the K/V and draft
-    latents of every real row equal the unpadded eager prefill's (one request does not draft)."""
+    latents of every real row equal the unpadded eager prefill's (one request does not draft).
+    ``split``: replays priced so that each chunk goes alone (plan_prefill), two of them through the
+    same (1, 32) graph, whose output the second replay overwrites."""
     t, d = llama
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
     out = {}
     for padded in (True, False):
         runner = GraphModelRunner(t, d, 5, num_slots=4, max_len=130, cuda_graph=False, page_size=64, num_pages=8)
-        if not padded:
-            runner.prefill_buckets = ()
-        assert runner.prefill_buckets == ((32, 64, 128) if padded else ())
+        if not padded:  # (the graphs were made at construction)
+            runner.prefill_buckets, runner.prefill_graphs = (), {}
+        assert runner.prefill_buckets == ((32, 64, 128) if padded else ()) and runner.prefill_cost == {}
+        replays: list[tuple[int, int]] = []
+        inner = runner._replay_prefill
+        runner._replay_prefill = lambda chunks, R, L: replays.append((R, L)) or inner(chunks, R, L)
+        if split:
+            runner.prefill_cost = {(R, L): 1.0 if R == 1 else 10.0 for R, L, _ in runner.prefill_graphs}
+            for key, (replay, res) in runner.prefill_graphs.items():  # outputs in place, as a CUDA graph's
+
+                def in_place(replay=replay, res=res, buf={}):
+                    replay()
+                    buf.setdefault("logits", res["logits"]).copy_(res["logits"])
+                    res["logits"] = buf["logits"]
+
+                runner.prefill_graphs[key] = (in_place, res)
         reqs = [Request(x, SamplingParams()) for x in prompts]
-        reqs[-1].speculate = len(reqs) == 1  # the last of several does not draft
+        # the last of several does not draft (split: all do, so two chunks replay one (1, 32, drafting) graph)
+        reqs[-1].speculate = len(reqs) == 1 or split
         for r in reqs:
             runner.kv.grow(r, len(r.prompt_ids) + 5)
         logits = (
@@ -206,6 +243,8 @@ def test_padded_prefill_equals_the_eager_prefill(llama, lengths):
             lat = runner.lat[:, page, :n].clone() if r.speculate else None
             rows.append((lg, runner.static.k_cache[:, page, :, :n].clone(), lat))
         out[padded] = rows
+        one = [(1, 64)] if len(lengths) == 1 else [(4, 64)]
+        assert replays == (([(1, 64), (1, 32), (1, 32)] if split else one) if padded else [])
     for x, (got, ref) in zip(prompts, zip(out[True], out[False])):
         with torch.no_grad():
             torch.testing.assert_close(got[0], t.model(torch.tensor([x])).logits[0, -1], atol=1e-4, rtol=1e-4)

@@ -18,6 +18,7 @@ sampled, draft or verify. Same methods as :class:`ModelRunner` (the :class:`.ste
 from __future__ import annotations
 
 import gc
+import math
 import time
 import warnings
 from functools import partial
@@ -59,6 +60,42 @@ PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
 # captures few (17 shapes, 34 graphs with a drafter); a group of rows past them prefills eagerly.
 PREFILL_ROWS = (1, 4, 16)
 PREFILL_GRAPH_TOKENS = 4096
+
+
+def plan_prefill(
+    lengths: list[int], shapes: list[tuple[int, int]], cost: dict[tuple[int, int], float] | None = None
+) -> list[tuple[int, int, list[int]]] | None:
+    """First chunks of ``lengths`` tokens into padded prefill graphs of ``shapes`` ((rows, length)
+    buckets): ``[(rows, length, chunk indices)]``, one replay each; None where no plan holds them.
+    Without ``cost``: one replay of the smallest bucket that holds every chunk. With ``cost`` (seconds
+    of each shape's replay, timed at start-up): the chunks, longest first, cut into consecutive groups
+    at the least total cost (a padded row costs a whole row: compute at a large target, little at a
+    small one, where a replay's fixed cost wins). Why: with trickling admissions (speculative requests
+    finish at different steps) 5-9 new requests took the 16-row bucket, and an 8B-shaped target's
+    prefill did 3.2x the compute of its real tokens; prefill took 26% of the wall and the engine
+    served 0.90x of the target alone at 64 requests (docs/benchmarks.md, twenty-seventh session)."""
+    n = len(lengths)
+    if not cost:
+        fits = [(R * L, R, L) for R, L in shapes if R >= n and L >= max(lengths)]
+        return [(min(fits)[1], min(fits)[2], list(range(n)))] if fits else None
+    order = sorted(range(n), key=lambda i: -lengths[i])
+    rows = max((R for R, _ in shapes), default=0)
+    best: list[float] = [0.0] + [math.inf] * n  # best[i]: the cheapest plan of the i longest chunks
+    cut: list[tuple[int, int, int]] = [(0, 0, 0)] * (n + 1)
+    for i in range(1, n + 1):
+        for j in range(max(0, i - rows), i):  # the group order[j:i], its longest chunk order[j]
+            priced = [(cost[R, L], R, L) for R, L in shapes if (R, L) in cost and R >= i - j and L >= lengths[order[j]]]
+            if priced and best[j] + min(priced)[0] < best[i]:
+                c, R, L = min(priced)
+                best[i], cut[i] = best[j] + c, (j, R, L)
+    if math.isinf(best[n]):
+        return None
+    plan, i = [], n
+    while i:
+        j, R, L = cut[i]
+        plan.append((R, L, [order[k] for k in range(j, i)]))
+        i = j
+    return plan[::-1]
 
 
 def page_of(tables: torch.Tensor, pos: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,6 +330,8 @@ class GraphModelRunner:
             self.prefill_graphed, self.prefill_graphs = False, {}
             for R, L in self._prefill_shapes():
                 self._capture_prefill(R, L)
+        # seconds per padded prefill shape (graphs only: the plan then weighs padding against replays)
+        self.prefill_cost = self._time_prefill() if self.prefill_graphed and len(self.prefill_rows) > 1 else {}
 
     # ---- slots --------------------------------------------------------------------------------
     def _index(self, reqs: list[Request]) -> tuple[torch.Tensor | slice, int, int]:
@@ -422,6 +461,26 @@ class GraphModelRunner:
             (R, L) for L in self.prefill_buckets for R in self.prefill_rows if R == 1 or R * L <= PREFILL_GRAPH_TOKENS
         ]
 
+    @torch.no_grad()
+    def _time_prefill(self, repeats: int = 3) -> dict[tuple[int, int], float]:
+        """Each prefill graph's replay, synchronised, the fastest of ``repeats`` (the drafting variant
+        where there is a drafter); every row writes the scratch page only (before any request)."""
+        self.pf_last.zero_()
+        self.pf_table.fill_(self.static.scratch)
+        latents, out = self.draft is not None, {}
+        for (R, L, lat), (replay, _) in self.prefill_graphs.items():
+            if lat == latents:
+                replay()  # once untimed
+                times = []
+                for _ in range(repeats):
+                    torch.cuda.synchronize(self.target.device)
+                    t0 = time.perf_counter()
+                    replay()
+                    torch.cuda.synchronize(self.target.device)
+                    times.append(time.perf_counter() - t0)
+                out[(R, L)] = min(times)
+        return out
+
     def _capture_prefill(self, R: int, L: int) -> None:
         """Both variants of a shape: with the draft's latents (requests that draft) and without
         (requests the planner admitted not drafting: no drafter work in their prefill)."""
@@ -447,14 +506,28 @@ class GraphModelRunner:
         out["logits"] = logits
 
     def _prefill_padded(self, chunks: list[tuple[Request, int]]) -> list[torch.Tensor | None] | None:
-        """Requests' first chunks through a padded (rows, length) bucket's graph; None where none
-        fits (a later chunk, prompt logprobs, too many rows or tokens): the caller runs them eagerly."""
-        n = max(k for _, k in chunks)
-        fits = [(R * L, R, L) for R, L, _ in self.prefill_graphs if R >= len(chunks) and L >= n]
-        if not fits or any(r.prefill_pos or (r.sampling.prompt_logprobs is not None and not r.output_ids)
-                                for r, _ in chunks):  # fmt: skip
+        """Requests' first chunks through padded (rows, length) buckets' graphs, as
+        :func:`plan_prefill` groups them; None where no plan fits (a later chunk, prompt logprobs, a
+        chunk past every bucket): the caller runs them eagerly."""
+        if not self.prefill_graphs or any(
+            r.prefill_pos or (r.sampling.prompt_logprobs is not None and not r.output_ids) for r, _ in chunks
+        ):
             return None
-        _, R, L = min(fits)  # the smallest bucket that holds them
+        shapes = sorted({(R, L) for R, L, _ in self.prefill_graphs})
+        plan = plan_prefill([k for _, k in chunks], shapes, self.prefill_cost)
+        if plan is None:
+            return None
+        out: list[torch.Tensor | None] = [None] * len(chunks)
+        for g, (R, L, idx) in enumerate(plan):
+            last = self._replay_prefill([chunks[i] for i in idx], R, L)
+            if any((R, L) == (R2, L2) for R2, L2, _ in plan[g + 1 :]):  # the next replay overwrites its output
+                last = [x if x is None else x.clone() for x in last]
+            for i, x in zip(idx, last):
+                out[i] = x
+        return out
+
+    def _replay_prefill(self, chunks: list[tuple[Request, int]], R: int, L: int) -> list[torch.Tensor | None]:
+        """First chunks (at most ``R``, each at most ``L`` tokens) through the (R, L) graph."""
         dev = self.target.device
         rows = []
         for req, k in chunks:
