@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import sys
 import time
@@ -24,16 +25,22 @@ sys.path.insert(0, str(ROOT / "src"))
 def run(mode: str, temperature: float, prompts: int, running: int, force: str | None) -> dict:
     from dflash2.cli import build_parser
     from dflash2.engine.engine import LLMEngine
+    from dflash2.engine.planner import Planner
     from dflash2.entry import load_models
     from dflash2.sampling import SamplingParams
     from dflash2.server.launch import engine_config
     from dflash2.training.sources import load_prompts
 
-    flags = ["--speculative-algorithm", "NONE"] if mode == "none" else ["--speculative-planner", mode]
+    base, *overrides = mode.split(":")  # e.g. auto:prior_drafts=4 (PlannerConfig fields, for experiments)
+    flags = ["--speculative-algorithm", "NONE"] if base == "none" else ["--speculative-planner", base]
     args = build_parser().parse_args(["serve", "--max-running-requests", str(running), *flags])
     target, draft, width = load_models(args)
     cfg = engine_config(args, target, draft, width)
     eng = LLMEngine(target, draft, cfg)
+    if overrides:
+        fields = {k: float(v) for k, v in (o.split("=") for o in overrides)}
+        pcfg = dataclasses.replace(eng.planner.cfg, **fields)
+        eng.planner = Planner(eng.planner.width, pcfg, widths=eng.planner.widths)
     tok = target.tokenizer
     texts = [p.messages[-1]["content"] for p in load_prompts(ROOT / "work" / "recipe" / "heldout_prompts.jsonl")]
     ids = [
@@ -74,7 +81,7 @@ def run(mode: str, temperature: float, prompts: int, running: int, force: str | 
 
     planner.speculate_new = admitted  # type: ignore[method-assign,assignment]
     planner.retire = retired  # type: ignore[method-assign,assignment]
-    force = force if mode == "off" else None  # (auto chooses ahead, past ``choose``)
+    force = force if base == "off" else None  # (auto chooses ahead, past ``choose``)
     if force:  # widths in turn, where the planner is off
         seq, k = [int(x) for x in force.split("-")], [0]
 

@@ -135,6 +135,29 @@ def test_planner_picks_a_width_between_when_the_runner_has_them():
     assert p.choose(rids, 4) == 8
 
 
+def test_a_width_between_under_the_margin_is_neither_kept_nor_admitted():
+    """Eager widths 1-8 at 4 requests: two of every four rows accept their first draft and none a
+    second (0.5, then 0). Width 2 makes 1.5 tokens a row for 1.38x a one-token step (1.09x its rate),
+    under the 15% margin a width between must clear over both ends. After a probe runs width 2 the
+    next step goes back to width 1 (the hysteresis kept it: 0.86-0.93x of the target alone on the CPU
+    at 16 requests, T=1), and a new request is admitted without drafting; the running ones are not
+    retired for it (retirement is for good: every width counts there)."""
+    p = Planner(8, PlannerConfig(mode="auto"))
+    p.widths = tuple(range(1, 9))
+    rids = [f"r{i}" for i in range(4)]
+    for _ in range(30):
+        p.observe(rids, [1, 1, 0, 0], 8, 4, 0.700)
+    p.costs[(4, 1)], p.costs[(4, 0)] = 0.200, 0.200
+    p.observe(rids, [0] * 4, 1, 4, 0.200)
+    p.observe(rids, [1, 0, 1, 0], 2, 4, 0.275)  # the probe
+    tokens = p.expected_by_width(rids) / 4
+    assert tokens[1] / 0.275 == pytest.approx(1.09 / 0.2, rel=0.03)  # width 2: 1.09x width 1's rate
+    assert p.choose(rids, 4) == 1
+    assert p.drafting_gain(4, strict=True) < 1 < p.drafting_gain(4) and not p.speculate_new(4, 4)
+    p.cfg.between_margin = 0.0  # without the margin width 2 would be kept and admitted
+    assert p.choose(rids, 4) == 2 and p.speculate_new(4, 4)
+
+
 @torch.no_grad()
 def _argmax_continuation(t, prompt, n):
     ids = list(prompt)

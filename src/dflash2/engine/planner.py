@@ -83,6 +83,7 @@ class PlannerConfig:
     probe_reach: float = 0.5
     prior: float = 0.9  # per-draft acceptance before anything is observed
     prior_weight: float = 2.0  # pseudo-drafts of the prior in a request's estimate
+    prior_drafts: float = 20.0  # pseudo-drafts of the prior in every request's estimate, per position
     decay: float = 0.9  # per step, on a request's counts (recent steps matter most)
     cost_decay: float = 0.8  # weight of the old average when a step's time comes in
     # a width between 1 and the full one must beat both ends by this much more: its cost is interpolated
@@ -110,6 +111,8 @@ class PlannerConfig:
             v = getattr(self, name)
             if not 0 <= v < 1 + (name == "hysteresis") * 9:
                 raise ValueError(f"planner {name} out of range: {v}")
+        if self.prior_drafts <= 0:
+            raise ValueError(f"planner prior_drafts must be > 0, got {self.prior_drafts}")
         if min(self.retire_every, self.probe_every, self.stale_after) < 1:
             raise ValueError(
                 "planner retire_every, probe_every and stale_after must be >= 1: "
@@ -122,17 +125,17 @@ class AcceptanceCounts:
     array (one gather and one scatter a step, not a Python loop over requests x positions on the
     hot path), and every request's, for the prior."""
 
-    def __init__(self, positions: int, prior: float, prior_weight: float):
+    def __init__(self, positions: int, prior: float, prior_weight: float, prior_drafts: float = 20.0):
         self.P, self.prior, self.k = positions, prior, prior_weight
         self.row: dict[str, int] = {}
         self.free: list[int] = []
         self._last: tuple[list[str], np.ndarray] = ([], np.zeros(0, dtype=np.int64))
         self.cnt = np.zeros((0, 2, positions))  # [row, (accepted, reached), position]
-        # every request's counts start as the prior's pseudo-drafts (10 x prior_weight reached), which
+        # every request's counts start as the prior's pseudo-drafts (``prior_drafts`` reached), which
         # decay with the rest: at first the prior, then what was seen. Why: kept for good, the prior's
         # 0.9 held the H200's held-out first-draft rate at 0.60 against ~0.4 seen at one request
         # (docs/benchmarks.md, seventeenth session), so drafting went on where it lost.
-        m = 10 * prior_weight
+        m = prior_drafts
         self.total = np.stack([np.full(positions, prior * m), np.full(positions, float(m))])  # [2, P]
         self._prior_rates = self._rates_of_total()
         # every row's P(draft i accepted) (the cumulative product of its rates), kept between steps so
@@ -244,7 +247,9 @@ class Planner:
     _pending: tuple[list[str], list[int], int] | None = None  # a step observed, its counts not folded yet
 
     def __post_init__(self):
-        self.counts = AcceptanceCounts(max(self.width - 1, 1), self.cfg.prior, self.cfg.prior_weight)
+        self.counts = AcceptanceCounts(
+            max(self.width - 1, 1), self.cfg.prior, self.cfg.prior_weight, self.cfg.prior_drafts
+        )
 
     @property
     def adapts(self) -> bool:
@@ -330,8 +335,15 @@ class Planner:
                     # a one-token one, and the full-width probes and cold starts were ~15 s of a 79 s run
                     # at 0.89x of the target alone (docs/benchmarks.md, twenty-fifth session)
                     return 2 if keep == 1 and 2 in cost else W
-        ends = max(rate[1], rate[W])
-        best = max(rate, key=lambda w: rate[w] if w in (1, W) or rate[w] > ends * (1 + cfg.between_margin) else 0.0)
+        ok = {w for w in rate if w in (1, W) or rate[w] > max(rate[1], rate[W]) * (1 + cfg.between_margin)}
+        best = max(ok, key=lambda w: rate[w])
+        if keep not in ok:
+            # a width between that no longer clears the margin is left for the best end, whatever the
+            # hysteresis. Why: the eager runner's probe at width 2 then kept width 2 at an estimated
+            # 1.05-1.1x of width 1, where the drafter's prefill share and the after-effect of wider steps
+            # (neither in the step costs) made it a loss: 0.86-0.93x of the target alone on the CPU at 16
+            # requests, T=1 (docs/benchmarks.md, twenty-sixth and twenty-seventh sessions)
+            return best
         return best if rate[best] > rate[keep] * (1 + cfg.hysteresis) else keep
 
     def speculate_new(self, n_running: int, bucket: int) -> bool:
@@ -347,22 +359,25 @@ class Planner:
             return next((w for b, w in cfg.schedule if n_running <= b), 1) > 1
         if cfg.mode == "off":
             return True
-        gain = self.drafting_gain(bucket)
+        gain = self.drafting_gain(bucket, strict=True)
         # by the hysteresis: near break-even the target alone is the safe side (on the H200
         # at 8 requests, T=1, an estimated gain of ~1.05 served 0.88x with the fixed width, the
         # tail of a finishing wave and the drafter's prefill upkeep not in the step costs)
         return gain is None or bool(gain >= 1 + cfg.hysteresis)
 
-    def drafting_gain(self, bucket: int) -> float | None:
+    def drafting_gain(self, bucket: int, strict: bool = False) -> float | None:
         """Expected tokens/s of the best drafting width at ``bucket`` (every request's acceptance per
         position) over the target alone's (width 0 measured, else width 1); None before both costs
-        are known."""
+        are known. ``strict`` (admission): a width between counts only where it clears the margin over
+        both ends, as :meth:`_choose` takes it; retirement, which is for good, counts every width."""
         plain = self.cost(bucket, 0) or self.cost(bucket, 1)
         cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {self.width}) if w > 1}
         if plain is None or cost[self.width] is None:
             return None
         tokens = _tokens_by_width(np.cumprod(self.counts.prior_rates()), 1)
-        return float(max(tokens[w - 1] / c for w, c in cost.items() if c is not None) * plain)
+        rate = {w: tokens[w - 1] / c for w, c in cost.items() if c is not None}
+        ends = max(1 / plain, rate[self.width]) * (1 + self.cfg.between_margin) if strict else 0.0
+        return float(max(r for w, r in rate.items() if w == self.width or r > ends) * plain)
 
     def retire(self, bucket: int) -> bool:
         """Whether the drafting requests of a batch at ``bucket`` stop drafting for good: auto only,
