@@ -72,7 +72,7 @@ def plan_prefill(
     at the least total cost (a padded row costs a whole row: compute at a large target, little at a
     small one, where a replay's fixed cost wins). Why: with trickling admissions (speculative requests
     finish at different steps) 5-9 new requests took the 16-row bucket, and an 8B-shaped target's
-    prefill did 3.2x the compute of its real tokens; prefill took 26% of the wall and the engine
+    prefill did 3.8x the compute of its real tokens; prefill took 26% of the wall and the engine
     served 0.90x of the target alone at 64 requests (docs/benchmarks.md, twenty-seventh session)."""
     n = len(lengths)
     if not cost:
