@@ -513,8 +513,7 @@ class GraphModelRunner:
             r.prefill_pos or (r.sampling.prompt_logprobs is not None and not r.output_ids) for r, _ in chunks
         ):
             return None
-        shapes = sorted({(R, L) for R, L, _ in self.prefill_graphs})
-        plan = plan_prefill([k for _, k in chunks], shapes, self.prefill_cost)
+        plan = plan_prefill([k for _, k in chunks], self._prefill_shapes(), self.prefill_cost)
         if plan is None:
             return None
         out: list[torch.Tensor | None] = [None] * len(chunks)

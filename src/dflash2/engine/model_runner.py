@@ -12,7 +12,6 @@ targets use :class:`GraphModelRunner` instead (static buffers, CUDA graphs per b
 from __future__ import annotations
 
 import functools
-
 import time
 
 import torch

@@ -125,7 +125,7 @@ class AcceptanceCounts:
     array (one gather and one scatter a step, not a Python loop over requests x positions on the
     hot path), and every request's, for the prior."""
 
-    def __init__(self, positions: int, prior: float, prior_weight: float, prior_drafts: float = 20.0):
+    def __init__(self, positions: int, prior: float, prior_weight: float, prior_drafts: float):
         self.P, self.prior, self.k = positions, prior, prior_weight
         self.row: dict[str, int] = {}
         self.free: list[int] = []
@@ -335,7 +335,7 @@ class Planner:
                     # a one-token one, and the full-width probes and cold starts were ~15 s of a 79 s run
                     # at 0.89x of the target alone (docs/benchmarks.md, twenty-fifth session)
                     return 2 if keep == 1 and 2 in cost else W
-        ok = {w for w in rate if w in (1, W) or rate[w] > max(rate[1], rate[W]) * (1 + cfg.between_margin)}
+        ok = self._counted(rate, rate[1])
         best = max(ok, key=lambda w: rate[w])
         if keep not in ok:
             # a width between that no longer clears the margin is left for the best end, whatever the
@@ -376,8 +376,13 @@ class Planner:
             return None
         tokens = _tokens_by_width(np.cumprod(self.counts.prior_rates()), 1)
         rate = {w: tokens[w - 1] / c for w, c in cost.items() if c is not None}
-        ends = max(1 / plain, rate[self.width]) * (1 + self.cfg.between_margin) if strict else 0.0
-        return float(max(r for w, r in rate.items() if w == self.width or r > ends) * plain)
+        return float(max(rate[w] for w in (self._counted(rate, 1 / plain) if strict else rate)) * plain)
+
+    def _counted(self, rate: dict[int, float], one: float) -> set[int]:
+        """The widths of ``rate`` (tokens/s by width) that count: the full width (and 1), and a width
+        between only where it beats both ends (``one``: width 1's rate) by ``between_margin``."""
+        ends = max(one, rate[self.width]) * (1 + self.cfg.between_margin)
+        return {w for w, r in rate.items() if w in (1, self.width) or r > ends}
 
     def retire(self, bucket: int) -> bool:
         """Whether the drafting requests of a batch at ``bucket`` stop drafting for good: auto only,
