@@ -935,6 +935,47 @@ def draft_compile_check(target, draft) -> dict:
     return out
 
 
+def draft_precision_check(target, draft) -> dict:
+    """The draft block (layers compiled, as served) with its attention matmuls on tensor cores (bf16
+    in, fp32 out) against both operands cast to fp32 (the plain torch reference), on the same random
+    latents: time of each, hidden-state difference, and how often the greedy drafts agree."""
+    import torch
+    from dflash2.engine.graph_runner import paged_block_hidden
+    from dflash2.engine.steps import greedy_walk
+    from dflash2.model import attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    c, dev = draft.config, target.device
+    out = {}
+    draft.compile_layers()
+    for B in (1, 8, 64):
+        page, pages, W = 256, 8 * B, 1024
+        lat = torch.randn(c.num_hidden_layers, pages, page, c.kv_lora_rank + c.qk_rope_head_dim, device=dev,
+                          generator=g).to(torch.bfloat16)  # fmt: skip
+        tables = torch.randperm(pages, device=dev, generator=g).view(B, 8).int()
+        anchors = torch.randint(100, 40000, (B,), device=dev, generator=g)
+        apos = torch.randint(100, 900, (B,), device=dev, generator=g)
+        a = (target.embed, lat, tables, page, anchors, apos, torch.arange(W, device=dev)[None], 5)
+        row, hidden = {}, {}
+        with torch.no_grad():
+            for mode in ("fp32", "tensor_cores"):
+                attention.TENSOR_CORE_SCORES = mode == "tensor_cores"
+                hidden[mode] = paged_block_hidden(draft, *a)
+                row[f"{mode}_ms"] = round(replay_ms(lambda: paged_block_hidden(draft, *a), 50), 3)
+            hw = target.lm_head_weight
+            same = greedy_walk(draft, hidden["fp32"], anchors, hw) == greedy_walk(
+                draft, hidden["tensor_cores"], anchors, hw
+            )
+        h_r, h_t = hidden["fp32"].float(), hidden["tensor_cores"].float()
+        row.update(max_abs_diff=round((h_t - h_r).abs().max().item(), 5), max_abs=round(h_r.abs().max().item(), 3),
+                   greedy_drafts_equal=round(same.float().mean().item(), 4))  # fmt: skip
+        log(f"  draft attention precision B={B}: {row}")
+        out[f"B{B}"] = row
+    attention.TENSOR_CORE_SCORES = True
+    draft.compile_off()
+    return out
+
+
 def kernel_table(fn, calls: int = 5) -> list[tuple[str, int, float]]:
     """``(kernel name, launches, ms)`` per call of ``fn``, slowest first, by torch.profiler's CUDA
     activity (the eager calls of a captured graph's function run the same kernels)."""
@@ -1496,6 +1537,8 @@ def stage_shape(args) -> None:
     target, draft = shapes.random_models(args.target_shape, args.graph_device, dtype, 5, tok)
     report["seconds"]["build"] = round(time.time() - t0, 1)
     log(f"built {args.target_shape} and its drafter in {report['seconds']['build']} s")
+    if args.draft_precision:
+        report["draft_precision"] = draft_precision_check(target, draft)
     prompts = gsm8k_test_prompts(ROOT / "work" / "gsm8k_test.jsonl", 512)
     for rate in [float(a) for a in args.acceptances.split(",")]:
         key, t1 = f"a{rate}", time.time()
@@ -1610,6 +1653,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--prompt-sets", default="gsm8k", help="engine: gsm8k and/or heldout (carry work/recipe/heldout_prompts.jsonl)"
+    )
+    ap.add_argument(
+        "--draft-precision", action="store_true", help="shape: time the draft's attention matmuls both ways"
     )
     ap.add_argument("--target-shape", default="llama-8b", help="shape: the random target's shape")
     ap.add_argument("--acceptances", default="0.92,0.5", help="shape: synthetic acceptance rates, one run each")
