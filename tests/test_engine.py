@@ -11,7 +11,7 @@ from targets import VOCAB, build
 from test_speculative import hf_greedy, random_draft
 from dflash2.engine.engine import EngineConfig, LLMEngine
 from dflash2.engine.graph_runner import GraphModelRunner, plan_prefill
-from dflash2.engine.model_runner import ModelRunner
+from dflash2.engine.model_runner import ModelRunner, PagedLayer
 from dflash2.engine.request import Request
 from dflash2.target import TargetModel
 from dflash2.verification import SamplingParams
@@ -197,6 +197,31 @@ def test_paged_slots_move_tables_not_data(llama):
     scratch = runner.static.scratch  # 6: the pool's extra page; a table has 3 entries (130 positions)
     assert runner.tables[0].tolist() == pages[2] + [scratch] and runner.tables[2].tolist() == [scratch] * 3
     assert torch.equal(runner.static.k_cache[:, pages[2][0], :, :4], k_last)  # nothing copied
+
+
+def test_paged_verify_gathers_each_layer_without_keeping_it(llama, monkeypatch):
+    """The eager paged runner's verify cache (:class:`PagedLayer`): rows of different lengths, left
+    padded, give the target's greedy output while every fresh buffer starts as NaN (the padding is
+    written, not left to whatever memory held), and no layer keeps its gathered past after the
+    forward (only the new rows, for the commit)."""
+    t, d = llama
+    prompts = _prompts(6, seed=11)
+    empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: empty(self, *a, **k).fill_(float("nan")))
+    kept = []
+    real = PagedLayer.update
+
+    def update(self, k, v, *a, **kw):
+        out = real(self, k, v, *a, **kw)
+        assert out[0].shape[-2] == self.length + k.shape[-2]
+        kept.append(self)
+        return out
+
+    monkeypatch.setattr(PagedLayer, "update", update)
+    eng, reqs = _run(t, d, prompts, "paged", max_running=3)
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
+    assert kept and all(vars(layer).keys().isdisjoint({"keys", "values"}) or layer.keys is None for layer in kept)
 
 
 @pytest.mark.parametrize("lengths,split", [((40,), False), ((40, 17, 5), False), ((40, 17, 5), True)])

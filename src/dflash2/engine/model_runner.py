@@ -15,7 +15,8 @@ import functools
 import time
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from ..model.context_cache import DraftContextCache, append_many, draft_block
 from . import steps
@@ -52,6 +53,30 @@ def layer_kv(layer) -> tuple[torch.Tensor, torch.Tensor]:
     if k is None or v is None:
         raise TypeError(f"{type(layer).__name__} is not a plain K/V cache layer")
     return k, v
+
+
+class PagedLayer(DynamicLayer):
+    """One layer of a verify forward's cache over the paged pool: the batch's past K/V are gathered
+    when the layer's attention asks for them (:meth:`update`), into one buffer with the new rows, and
+    dropped with the layer's activations; only the new rows are kept (``new``, for the commit). Why:
+    a DynamicCache of gathered copies held every layer's past and its concatenation with the new rows
+    until the forward ended (SmolLM2 at 16 rows x 425 positions: ~630 MB live), and each time a batch
+    or its context outgrew that peak the heap grew by first-touch page faults: steps of 1-3 s in the
+    ramp-up of CPU runs, which also priced the planner's widths (docs/benchmarks.md, twenty-eighth
+    session)."""
+
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, length: int, gather):
+        super().__init__()
+        self.k_pool, self.v_pool, self.length, self.gather = k_pool, v_pool, length, gather
+        self.is_initialized = True  # nothing to allocate lazily: the pool is the storage
+        self.new: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.new = (key_states, value_states)
+        return self.gather(self.k_pool, key_states), self.gather(self.v_pool, value_states)
 
 
 class ModelRunner:
@@ -174,25 +199,29 @@ class ModelRunner:
         B, k = blocks.shape
         lens = [r.num_committed for r in reqs]
         L = max(lens)
-        # one gather per layer for the whole batch: pool slot -> (row, left-padded column)
+        # pool slot -> (row, left-padded column), shared by every layer's gather (:class:`PagedLayer`)
         src = [self._slots(r, 0, n) for r, n in zip(reqs, lens)]
         dev = self.k_pool[0].device
         src_blk, src_off = torch.cat([b for b, _ in src]).to(dev), torch.cat([o for _, o in src]).to(dev)
         dst_b = torch.repeat_interleave(torch.arange(B), torch.tensor(lens)).to(dev)
         dst_t = torch.cat([torch.arange(L - n, L) for n in lens]).to(dev)
-        cache = DynamicCache()
-        for l in range(len(self.k_pool)):
-            kp, vp = self.k_pool[l], self.v_pool[l]
-            K = kp.new_zeros(B, L, kp.shape[1], kp.shape[3])
-            Vv = vp.new_zeros(B, L, vp.shape[1], vp.shape[3])
-            K[dst_b, dst_t] = kp[src_blk, :, src_off]
-            Vv[dst_b, dst_t] = vp[src_blk, :, src_off]
-            cache.update(K.transpose(1, 2), Vv.transpose(1, 2), l)
+        pad_b = torch.repeat_interleave(torch.arange(B), torch.tensor([L - n for n in lens])).to(dev)
+        pad_t = torch.cat([torch.arange(L - n) for n in lens]).to(dev)
+
+        def gather(pool: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+            """``[B, h, L + k, d]``: the batch's past rows from ``pool``, left-padded with zeros, then ``new``."""
+            x = new.new_empty(B, pool.shape[1], L + k, pool.shape[3])
+            x[pad_b, :, pad_t] = 0  # masked out, but must be finite (masked scores still meet V)
+            x[dst_b, :, dst_t] = pool[src_blk, :, src_off]
+            x[:, :, L:] = new
+            return x
+
+        layers = [PagedLayer(kp, vp, L, gather) for kp, vp in zip(self.k_pool, self.v_pool)]
         lens_t = torch.tensor(lens, device=t.device)
         mask = (torch.arange(L + k, device=t.device) >= (L - lens_t)[:, None]).long()  # left padding off
         pos = lens_t[:, None] + torch.arange(k, device=t.device)
-        logits, feats = t.batched_forward(blocks, mask, pos, cache)
-        new_kv = [(k[:, :, L:], v[:, :, L:]) for k, v in map(layer_kv, cache.layers)]
+        logits, feats = t.batched_forward(blocks, mask, pos, Cache(layers=layers))
+        new_kv = [layer.new for layer in layers]
         return logits.float(), feats, new_kv
 
     def _commit(self, reqs: list[Request], new_kv, feats: torch.Tensor, keep: list[int]) -> None:
