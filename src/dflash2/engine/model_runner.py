@@ -220,7 +220,7 @@ class ModelRunner:
         lens_t = torch.tensor(lens, device=t.device)
         mask = (torch.arange(L + k, device=t.device) >= (L - lens_t)[:, None]).long()  # left padding off
         pos = lens_t[:, None] + torch.arange(k, device=t.device)
-        logits, feats = t.batched_forward(blocks, mask, pos, Cache(layers=layers))
+        logits, feats = t.batched_forward(blocks, mask, pos, Cache(layers=[*layers]))
         new_kv = [layer.new for layer in layers]
         return logits.float(), feats, new_kv
 
