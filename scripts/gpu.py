@@ -885,6 +885,21 @@ def stage_steps(args) -> None:
     (OUT / "steps.json").write_text(json.dumps({"env": info, "replay_ms": times, "kernels": kernels}, indent=1))
 
 
+def random_block_inputs(target, draft, B: int, g) -> tuple:
+    """:func:`paged_block_hidden`'s arguments for ``B`` rows of random bf16 latents (1,024 context
+    positions each, in shuffled pages of 256) and random anchors, width 5."""
+    import torch
+
+    c, dev = draft.config, target.device
+    page, pages, W = 256, 8 * B, 1024
+    lat = torch.randn(c.num_hidden_layers, pages, page, c.kv_lora_rank + c.qk_rope_head_dim, device=dev,
+                      generator=g).to(torch.bfloat16)  # fmt: skip
+    tables = torch.randperm(pages, device=dev, generator=g).view(B, 8).int()
+    anchors = torch.randint(100, 40000, (B,), device=dev, generator=g)
+    apos = torch.randint(100, 900, (B,), device=dev, generator=g)
+    return (target.embed, lat, tables, page, anchors, apos, torch.arange(W, device=dev)[None], 5)
+
+
 def draft_compile_check(target, draft) -> dict:
     """The draft block with its layers compiled (as the graph runner runs them on CUDA) against the
     eager layers, on the same random latents: hidden states, the greedy drafts they give, and the
@@ -894,16 +909,10 @@ def draft_compile_check(target, draft) -> dict:
     from dflash2.engine.steps import greedy_walk
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    c, dev = draft.config, target.device
     out = {}
     for B in (1, 8, 64):
-        page, pages, W = 256, 8 * B, 1024
-        lat = torch.randn(c.num_hidden_layers, pages, page, c.kv_lora_rank + c.qk_rope_head_dim, device=dev,
-                          generator=g).to(torch.bfloat16)  # fmt: skip
-        tables = torch.randperm(pages, device=dev, generator=g).view(B, 8).int()
-        anchors = torch.randint(100, 40000, (B,), device=dev, generator=g)
-        apos = torch.randint(100, 900, (B,), device=dev, generator=g)
-        a = (target.embed, lat, tables, page, anchors, apos, torch.arange(W, device=dev)[None], 5)
+        a = random_block_inputs(target, draft, B, g)
+        anchors, apos, dev = a[4], a[5], target.device
         row = {}
         with torch.no_grad():
             hidden = {}
@@ -945,17 +954,11 @@ def draft_precision_check(target, draft) -> dict:
     from dflash2.model import attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    c, dev = draft.config, target.device
     out = {}
     draft.compile_layers()
     for B in (1, 8, 64):
-        page, pages, W = 256, 8 * B, 1024
-        lat = torch.randn(c.num_hidden_layers, pages, page, c.kv_lora_rank + c.qk_rope_head_dim, device=dev,
-                          generator=g).to(torch.bfloat16)  # fmt: skip
-        tables = torch.randperm(pages, device=dev, generator=g).view(B, 8).int()
-        anchors = torch.randint(100, 40000, (B,), device=dev, generator=g)
-        apos = torch.randint(100, 900, (B,), device=dev, generator=g)
-        a = (target.embed, lat, tables, page, anchors, apos, torch.arange(W, device=dev)[None], 5)
+        a = random_block_inputs(target, draft, B, g)
+        anchors = a[4]
         row, hidden = {}, {}
         with torch.no_grad():
             for mode in ("fp32", "tensor_cores"):
