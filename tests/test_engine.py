@@ -224,6 +224,35 @@ def test_paged_verify_gathers_each_layer_without_keeping_it(llama, monkeypatch):
     assert kept and all(vars(layer).keys().isdisjoint({"keys", "values"}) or layer.keys is None for layer in kept)
 
 
+def test_warm_up_drafts_then_starts_fresh(llama):
+    """``warm_up`` (the server's, before it serves): steps that draft, then nothing of it is left: the
+    planner's costs, steps and acceptance are its start-up ones, the counters are zero, every page is
+    free, and what runs next equals the target's greedy output."""
+    t, d = llama
+    cfg = EngineConfig(max_running_requests=3, num_draft_tokens=5, context_length=128, max_total_tokens=4096,
+                       page_size=8, speculative_planner="auto")  # fmt: skip
+    eng = LLMEngine(t, d, cfg)
+    widths = []
+    step = eng.runner.step
+
+    def counted(reqs, sampling, width=None, overlap=None):
+        widths.append(width)
+        return step(reqs, sampling, width, overlap=overlap)
+
+    eng.runner.step = counted  # type: ignore[method-assign]
+    eng.warm_up()
+    assert widths and max(w or 0 for w in widths) == 5  # the cold start drafts full blocks
+    assert eng.planner.costs == {} and eng.planner.steps == 0 and eng.planner.widths == eng.runner.widths
+    assert eng.planner.counts.prior_rates().tolist() == pytest.approx([eng.planner.cfg.prior] * 4)
+    assert eng.stats.steps == eng.stats.completed == eng.stats.generated_tokens == 0
+    assert eng.runner.kv.num_free == eng.runner.kv.num_blocks
+    prompts = _prompts(3, seed=5)
+    res = eng.generate([p.tolist() for p in prompts], SamplingParams(max_new_tokens=12))
+    for p, r in zip(prompts, res):
+        assert r.token_ids == hf_greedy(t, p, 12)
+    assert eng.stats.completed == 3
+
+
 @pytest.mark.parametrize("lengths,split", [((40,), False), ((40, 17, 5), False), ((40, 17, 5), True)])
 def test_padded_prefill_equals_the_eager_prefill(llama, lengths, split):
     """New requests' first chunks, prefilled alone or together, are padded to a (rows, length) bucket
@@ -352,7 +381,7 @@ def test_static_runner_budget_is_pages(llama):
     reqs = [eng.add_request(Request(p.tolist(), SamplingParams(max_new_tokens=12))) for p in prompts]
     eng.run_until_done()
     for p, r in zip(prompts, reqs):
-        assert r.output_ids == hf_greedy(t, p, 12)
+        assert r.token_ids == hf_greedy(t, p, 12)
 
 
 def test_request_arriving_after_admission_is_not_failed(llama):

@@ -20,7 +20,6 @@ NOTED = [
     "--speculative-draft-attention-backend",
     "--disable-radix-cache",
     "--enable-metrics",
-    "--skip-server-warmup",
 ]
 
 

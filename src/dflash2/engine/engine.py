@@ -366,6 +366,28 @@ class LLMEngine:
                 raise RuntimeError(f"request {r.request_id} failed: {r.error}")
         return [r.result() for r in reqs]
 
+    def warm_up(self, prompt_tokens: int = 32, new_tokens: int = 8) -> None:
+        """A short generation through every stage (prefill, draft, verify, greedy and sampled), as
+        SGLang's server sends itself a warm-up request before it serves; then the planner and the
+        counters start afresh, so neither the warm-up's cold-process step costs nor its made-up
+        prompt's acceptance count. Why: a cold CPU process's first steps pay one-time costs (the heap's
+        first-touch faults, kernel set-up) that then priced the planner's widths; through the server
+        at 16 requests, T=1, the first wave's full-width steps were the part of the run that drafting
+        lost (docs/benchmarks.md, twenty-eighth session). Called before :meth:`start`."""
+        n = min(2, self.cfg.max_running_requests)
+        prompt_tokens = min(prompt_tokens, self.cfg.context_length - new_tokens - self.width - 1)
+        if prompt_tokens < 1:
+            return
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.vocab_size, (prompt_tokens,), generator=g).tolist()
+        sps = [SamplingParams(max_new_tokens=new_tokens, temperature=0.0, seed=0)]
+        sps.append(SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_p=0.95, seed=1))
+        self.generate([ids] * n, sps[:n])
+        p = self.planner  # what it was given at start-up (the profile, the widths), nothing it learnt
+        self.planner = Planner(p.width, p.cfg, profile=p.profile, widths=p.widths)
+        self.stats = EngineStats(accepted_by_position=[0] * max(self.width - 1, 0))
+        self._ahead = None
+
     # ---- one step ---------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:

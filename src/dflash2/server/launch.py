@@ -51,7 +51,7 @@ def add_serve_parser(sub) -> None:
         "(always in /generate's meta_info)",
     )
     p.add_argument("--enable-metrics", action="store_true", help="/metrics is always on")
-    p.add_argument("--skip-server-warmup", action="store_true", help="there is no warm-up request to skip")
+    p.add_argument("--skip-server-warmup", action="store_true", help="serve without the short warm-up generation first")
     p.add_argument("--disable-radix-cache", action="store_true", help="there is no prefix cache to disable")
     p.add_argument("--mamba-full-memory-ratio", type=float, default=None)
     p.add_argument("--speculative-draft-attention-backend", default=None)
@@ -91,8 +91,6 @@ def flag_notes(args) -> list[str]:
         notes.append("--disable-radix-cache: no effect: there is no prefix cache")
     if args.enable_metrics:
         notes.append("--enable-metrics: no effect: /metrics is always served")
-    if args.skip_server_warmup:
-        notes.append("--skip-server-warmup: no effect: the server sends itself no warm-up request")
     return notes
 
 
@@ -178,6 +176,8 @@ def cmd_serve(args) -> int:
     cfg = engine_config(args, target, draft, width)
     ctx = cfg.context_length
     engine = LLMEngine(target, draft, cfg)
+    if not args.skip_server_warmup:
+        engine.warm_up()
     engine.start()
     name = args.served_model_name or (args.model_path or "SmolLM2-135M-Instruct")
     parser = {"qwen": "hermes", "qwen25": "hermes"}.get(args.tool_call_parser, args.tool_call_parser)
