@@ -381,7 +381,7 @@ def test_static_runner_budget_is_pages(llama):
     reqs = [eng.add_request(Request(p.tolist(), SamplingParams(max_new_tokens=12))) for p in prompts]
     eng.run_until_done()
     for p, r in zip(prompts, reqs):
-        assert r.token_ids == hf_greedy(t, p, 12)
+        assert r.output_ids == hf_greedy(t, p, 12)
 
 
 def test_request_arriving_after_admission_is_not_failed(llama):
