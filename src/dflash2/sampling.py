@@ -96,7 +96,7 @@ def _col(x, like: torch.Tensor, dtype) -> torch.Tensor:
     return t.reshape(tuple(t.shape) + (1,) * (like.dim() - t.dim()))
 
 
-FAST_TOP = 1024  # truncation first tries the top 1024 entries of each row instead of sorting all V
+FAST_TOP = 1024  # truncation first tries the top 1024 entries of each row (then 8x that) before sorting all V
 
 
 def _drop(sorted_p, k, tp, mp) -> torch.Tensor:
@@ -178,11 +178,22 @@ def probs_from_logits(
         elif capturable:
             out = truncate_sorted(P, K, TP, MP)
         else:
-            out, ok = _truncate_top(P, K, TP, MP, min(V, max(FAST_TOP, int(K.max()))))
-            if not bool(ok.all()):  # rows whose kept set reaches past the top entries: sort them fully
-                bad = ~ok
-                Pb = P[bad]
-                out[bad] = _truncate(Pb, *Pb.sort(dim=-1, descending=True, stable=True), K[bad], TP[bad], MP[bad])
+            n = min(V, max(FAST_TOP, int(K.max())))
+            out, ok = _truncate_top(P, K, TP, MP, n)
+            # rows whose kept set reaches past the top n: their top 8n, then a full sort. Why the middle
+            # stage: at T=1, top-p 0.95 on held-out chat, 16 of 128 SmolLM2 rows reached past 1,024
+            # and none past 8,192; on the 2-core CPU the 128 rows took 93-102 ms, 56-94 with it
+            for stage in (8 * n, V):
+                if bool(ok.all()):
+                    break
+                bad = (~ok).nonzero().squeeze(-1)
+                Pb, Kb, TPb, MPb = P[bad], K[bad], TP[bad], MP[bad]
+                if stage < V:
+                    ob, okb = _truncate_top(Pb, Kb, TPb, MPb, stage)
+                else:
+                    ob = _truncate(Pb, *Pb.sort(dim=-1, descending=True, stable=True), Kb, TPb, MPb)
+                    okb = torch.ones(len(bad), dtype=torch.bool, device=P.device)
+                out[bad[okb]], ok[bad[okb]] = ob[okb], True
         probs = out.reshape(probs.shape)
         probs = probs / probs.sum(-1, keepdim=True)
     if capturable or bool(greedy.any()):
