@@ -191,7 +191,7 @@ def probs_from_logits(
                 if stage < V:
                     ob, okb = _truncate_top(Pb, Kb, TPb, MPb, stage)
                 else:
-                    ob = _truncate(Pb, *Pb.sort(dim=-1, descending=True, stable=True), Kb, TPb, MPb)
+                    ob = truncate_sorted(Pb, Kb, TPb, MPb)
                     okb = torch.ones(len(bad), dtype=torch.bool, device=P.device)
                 out[bad[okb]], ok[bad[okb]] = ob[okb], True
         probs = out.reshape(probs.shape)

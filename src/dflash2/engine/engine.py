@@ -191,7 +191,7 @@ class LLMEngine:
         if self.planner.adapts and self.runner.use_graph:  # step costs of every bucket, before any request
             self.planner.profile.update(cached_profile(self.runner, target, self.draft))
         self.scheduler = Scheduler(self.runner.kv, cfg.max_running_requests, self.width)
-        self.stats = EngineStats(accepted_by_position=[0] * max(self.width - 1, 0))
+        self.stats = self._new_stats()
         self.eos = eos_ids(target)
         self.vocab_size = min(target.embed.num_embeddings, target.lm_head_weight.shape[0])
         self.prefilling: deque[Request] = deque()  # admitted, prompt not all in the runner yet (FIFO)
@@ -366,6 +366,9 @@ class LLMEngine:
                 raise RuntimeError(f"request {r.request_id} failed: {r.error}")
         return [r.result() for r in reqs]
 
+    def _new_stats(self) -> EngineStats:
+        return EngineStats(accepted_by_position=[0] * max(self.width - 1, 0))
+
     def warm_up(self, prompt_tokens: int = 32, new_tokens: int = 8) -> None:
         """A short generation through every stage (prefill, draft, verify, greedy and sampled), as
         SGLang's server sends itself a warm-up request before it serves, so the first real requests do
@@ -385,7 +388,7 @@ class LLMEngine:
         self.generate([ids] * n, sps[:n])
         p = self.planner  # what it was given at start-up (the profile, the widths), nothing it learnt
         self.planner = Planner(p.width, p.cfg, profile=p.profile, widths=p.widths)
-        self.stats = EngineStats(accepted_by_position=[0] * max(self.width - 1, 0))
+        self.stats = self._new_stats()
         self._ahead = None
 
     # ---- one step ---------------------------------------------------------------------------
