@@ -805,7 +805,8 @@ def stage_steps(args) -> None:
     """Each captured graph of the static runner alone (median of 100 synchronised replays): draft
     block + selector, and verify (target forward + latents + verifier), greedy and sampled (T=1,
     top-p 0.95, block verification), width 5 and 1, by batch, for both attention backends. A
-    random SmolLM2-shaped target with the shipped drafter, rows at ~300 positions; no stash."""
+    random SmolLM2-shaped target with the shipped drafter (or ``--steps-shape``: a random target of
+    that shape and drafter, carrying work/tok), rows at ~300 positions; no stash."""
     import torch
     import transformers as tf
     from dflash2.engine.graph_runner import GraphModelRunner
@@ -817,17 +818,28 @@ def stage_steps(args) -> None:
 
     info = env_report()
     dev = args.graph_device
-    draft = load_draft(ROOT / "models" / "smollm2-135m-dflash2", device=dev, dtype=torch.bfloat16).eval()
-    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)  # fmt: skip
-    torch.manual_seed(0)
-    target = TargetModel(tf.LlamaForCausalLM(cfg).to(dev, torch.bfloat16), layer_ids=draft.config.target_layer_ids)
+    if args.steps_shape:  # a random target of that shape with a random published-architecture drafter
+        from transformers import AutoTokenizer
+
+        from dflash2.benchmark import shapes
+
+        tok = AutoTokenizer.from_pretrained(ROOT / "work" / "tok")
+        dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+        target, draft = shapes.random_models(args.steps_shape, dev, dtype, 5, tok)
+    else:
+        draft = load_draft(ROOT / "models" / "smollm2-135m-dflash2", device=dev, dtype=torch.bfloat16).eval()
+        cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                             num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)  # fmt: skip
+        torch.manual_seed(0)
+        target = TargetModel(tf.LlamaForCausalLM(cfg).to(dev, torch.bfloat16), layer_ids=draft.config.target_layer_ids)
     prompt = torch.randint(100, 40000, (300,)).tolist()
     times: dict = {}
     kernels: dict = {}
     n = 100 if dev == "cuda" else 2
     samplers = args.sampler_backends.split(",")
-    for attention, sampler in [(a, sb) for a in (("sdpa", "live") if dev == "cuda" else ("sdpa",)) for sb in samplers]:
+    for attention, sampler in [
+        (a, sb) for a in (args.steps_attention.split(",") if dev == "cuda" else ("sdpa",)) for sb in samplers
+    ]:
         for B in [int(b) for b in args.concurrency.split(",")]:
             runner = GraphModelRunner(target, draft, 5, B, 1088, cuda_graph=dev == "cuda", block_verification=True,
                                       attention=attention, verify_widths=(1,), sampler=sampler,
@@ -1609,6 +1621,10 @@ def main() -> None:
     ap.add_argument("--phase", choices=["data", "train"], default="data", help="recipe: which call this is")
     ap.add_argument("--profile", action="store_true", help="steps: each graph's kernels by torch.profiler")
     ap.add_argument("--eager-draft", action="store_true", help="steps: the draft's layers and latents eager")
+    ap.add_argument(
+        "--steps-shape", default="", help="steps: a random target of this shape (default: SmolLM2 + shipped drafter)"
+    )
+    ap.add_argument("--steps-attention", default="sdpa,live", help="steps: the target's attention backends timed")
     ap.add_argument("--sampler-backends", default="sort", help="steps: e.g. sort,triton (the sampled truncation)")
     ap.add_argument("--attn-shapes", default="smollm2,llama8b", help="attn: random targets of these shapes timed")
     ap.add_argument(
