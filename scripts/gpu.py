@@ -992,6 +992,47 @@ def draft_precision_check(target, draft) -> dict:
     return out
 
 
+def draft_matmul_check() -> dict:
+    """The draft attention's pieces alone at batch 64, width 5, 96 heads (the published drafter),
+    1,024 context positions: the score and value matmuls (bf16 in; fp32 or bf16 out) at 1,029 keys
+    (the unpadded block) and 1,032 (padded to a multiple of 8), and the latent gather from shuffled
+    pages by two index tensors against one index over the flattened pages. Each against the first
+    form's result (max abs difference)."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dev, bf = "cuda", torch.bfloat16
+    out: dict = {}
+    for lk in (1029, 1032):
+        q = torch.randn(64, 480, 576, device=dev, generator=g).to(bf)
+        lat = torch.randn(64, lk, 576, device=dev, generator=g).to(bf)
+        probs = torch.rand(64, 480, lk, device=dev, generator=g).to(bf)
+        c = lat[..., :512]
+        ref_s, ref_v = torch.matmul(q.float(), lat.float().transpose(1, 2)), torch.matmul(probs.float(), c.float())
+        for name, fn, ref in (
+            ("scores_fp32_out", lambda: torch.bmm(q, lat.transpose(1, 2), out_dtype=torch.float32), ref_s),
+            ("scores_bf16_out", lambda: torch.bmm(q, lat.transpose(1, 2)), ref_s),
+            ("values_fp32_out", lambda: torch.bmm(probs, c, out_dtype=torch.float32), ref_v),
+            ("values_bf16_out", lambda: torch.bmm(probs, c), ref_v),
+        ):
+            out[f"{name}_k{lk}"] = {
+                "ms": round(replay_ms(fn, 50), 4),
+                "max_abs_diff": round((fn().float() - ref).abs().max().item(), 4),
+            }
+    pages = torch.randn(5, 512, 256, 576, device=dev, generator=g).to(bf)
+    tables = torch.randperm(512, device=dev, generator=g).view(64, 8)
+    pos = torch.randint(1024, 2048, (64, 1), device=dev, generator=g) - 1024 + torch.arange(1024, device=dev)
+    pg, off = tables.gather(1, pos // 256), pos % 256
+    two = lambda: pages[:, pg, off]  # noqa: E731
+    one = lambda: pages.flatten(1, 2).index_select(1, (pg * 256 + off).flatten()).view(5, 64, 1024, 576)  # noqa: E731
+    out["gather_two_index_ms"] = round(replay_ms(two, 50), 4)
+    out["gather_index_select_ms"] = round(replay_ms(one, 50), 4)
+    out["gather_equal"] = bool(torch.equal(two(), one()))
+    for k, v in out.items():
+        log(f"  draft attention pieces {k}: {v}")
+    return out
+
+
 def kernel_table(fn, calls: int = 5) -> list[tuple[str, int, float]]:
     """``(kernel name, launches, ms)`` per call of ``fn``, slowest first, by torch.profiler's CUDA
     activity (the eager calls of a captured graph's function run the same kernels)."""
@@ -1554,6 +1595,7 @@ def stage_shape(args) -> None:
     report["seconds"]["build"] = round(time.time() - t0, 1)
     log(f"built {args.target_shape} and its drafter in {report['seconds']['build']} s")
     if args.draft_precision:
+        report["draft_pieces"] = draft_matmul_check()
         report["draft_precision"] = draft_precision_check(target, draft)
     if not args.speed:  # --no-speed: the checks only
         (OUT / "shape.json").write_text(json.dumps(report, indent=1))

@@ -109,7 +109,11 @@ def paged_block_hidden(draft, embed, lat, tables, page: int, anchors, apos, ctx_
     shorter), gathered per row from the pages of ``lat`` through ``tables``: its cost does not grow
     with the buffer."""
     ctx_pos = apos[:, None] - ctx_offsets.shape[1] + ctx_offsets  # [B, W]; negative before the prompt
-    ctx = lat[(slice(None), *page_of(tables, ctx_pos.clamp(min=0), page))]  # [layers, B, W, latent]
+    pages, off = page_of(tables, ctx_pos.clamp(min=0), page)
+    # one index over the flattened pages: indexing with two tensors took 1.0 ms at batch 64 on the
+    # H200, 5x the bytes it moved (docs/benchmarks.md, twenty-ninth session)
+    rows = lat.flatten(1, 2).index_select(1, (pages * page + off).flatten())
+    ctx = rows.view(lat.shape[0], *ctx_pos.shape, lat.shape[-1])  # [layers, B, W, latent]
     return block_hidden(draft, embed, anchors, apos, ctx, ctx_pos, ctx_pos >= 0, width)
 
 

@@ -4,6 +4,7 @@ and the block-causal sliding-window mask builder."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import DFlash2Config
@@ -60,7 +61,9 @@ def _tensor_cores(x: torch.Tensor) -> bool:
 
 
 def _fp32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` (batched) as fp32."""
+    """``a @ b`` (batched) as fp32. On the H200 with 1,029 keys (a row stride not a multiple of 8)
+    cuBLAS ran this as an unaligned sm75 kernel: 2.3 ms of a 10.4 ms batch-64 draft block at the 8B
+    shape (docs/benchmarks.md, twenty-ninth session), hence the key padding in the caller."""
     if _tensor_cores(a) and a.dtype == b.dtype:
         return torch.bmm(a, b, out_dtype=torch.float32)
     return torch.matmul(a.float(), b.float())
@@ -98,7 +101,12 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
         cos, sin = self.rotary.cos_sin(positions, q.dtype)
         q_pe = apply_interleaved_rope(q_pe, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        lat = torch.cat([ctx_latent.to(h.dtype), self.latent(h, positions)], dim=1)  # context first
+        parts = [ctx_latent.to(h.dtype), self.latent(h, positions)]  # context first
+        pad = (-(parts[0].shape[1] + Lq)) % 8
+        if pad:  # masked zero keys: a row stride of 8 lets cuBLAS pick aligned kernels (see _fp32_matmul)
+            parts.append(h.new_zeros(B, pad, parts[0].shape[-1]))
+            mask = F.pad(mask, (0, pad), value=False)
+        lat = torch.cat(parts, dim=1)
         c, k_pe = lat.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
         # Absorbed MLA: fold kv_b's key half into the queries and its value half into the output, so
         # attention runs over the latent (kv_lora + rope values per token, shared by all heads)
@@ -116,7 +124,9 @@ class MLAttention(nn.Module):
         scores = _fp32_matmul(q.reshape(B, n * Lq, -1), lat.transpose(1, 2)).view(B, n, Lq, -1)
         scores = (scores * self.scale).masked_fill(~mask.unsqueeze(1), float("-inf"))
         probs = scores.softmax(-1).view(B, n * Lq, -1)
-        out_lat = _fp32_matmul(probs.to(c.dtype) if _tensor_cores(c) else probs, c)
+        # on tensor cores the product is accumulated in fp32 and rounded to bf16 once, as the fp32
+        # result cast to h.dtype was
+        out_lat = torch.bmm(probs.to(c.dtype), c) if _tensor_cores(c) else torch.matmul(probs, c.float())
         out_lat = out_lat.view(B, n, Lq, cfg.kv_lora_rank).to(h.dtype)
         out = torch.einsum("bhlc,hvc->blhv", out_lat, w_uv)
         return self.o_proj(out.reshape(B, Lq, n * cfg.v_head_dim))
