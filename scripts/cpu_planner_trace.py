@@ -49,8 +49,7 @@ def run(mode: str, temperature: float, prompts: int, running: int, force: str | 
         )
         for t in texts[:prompts]
     ]
-    warm = SamplingParams(max_new_tokens=8, temperature=temperature, top_p=0.95, seed=0)
-    eng.generate([ids[0][:20], ids[1][:20]], warm)
+    eng.warm_up()  # as `dflash2 serve` does: then the planner starts afresh
     trace: list[tuple] = []
     admissions: list[tuple] = []
     runner_step, planner = eng.runner.step, eng.planner

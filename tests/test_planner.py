@@ -71,6 +71,26 @@ def test_planner_cold_start_probe_and_hysteresis():
     assert low.alpha("new") < 0.5 < Planner(W, PlannerConfig(mode="auto")).alpha("new")
 
 
+@pytest.mark.parametrize("accepted, then", [(0, 1), (1, W)])
+def test_an_eager_cold_start_tries_width_2_then_1_and_costs_the_full_width_from_them(accepted, then):
+    """Where every width can run (the eager runner), the cold start runs width 2 (it sees the first
+    draft's acceptance) and width 1, not a full block; the full width is then priced linear in the
+    width from those two, here and at batch sizes that have not run; drafting goes on only where it
+    pays (``accepted``: the first draft's outcome)."""
+    p = Planner(W, PlannerConfig(mode="auto"), widths=tuple(range(1, W + 1)))
+    rids = [f"r{i}" for i in range(4)]
+    assert p.choose(rids, 4) == 2
+    p.observe(rids, [accepted] * 4, 2, 4, 0.006)
+    assert p.choose(rids, 4) == 1
+    p.observe(rids, [0] * 4, 1, 4, 0.004)
+    assert p.cost(4, W) == pytest.approx(0.004 + 0.002 * (W - 1))
+    assert p.cost(8, W) == pytest.approx(0.012)  # another batch size: its nearest's widths 1 and 2
+    assert p.choose(rids, 4) == then
+    assert p.choose([f"r{i}" for i in range(8)], 8) != 2  # no second cold start at a new batch size
+    graphs = Planner(W, PlannerConfig(mode="auto"))  # two widths (graphs): full blocks first, as before
+    assert graphs.choose(rids, 4) == W
+
+
 def test_a_batch_size_that_has_not_run_is_costed_from_the_nearest_ones():
     """Without a profile (the eager runner: every batch size a bucket of its own), a batch size where
     a width has not run reads that width's cost between the nearest sizes where it ran (the nearest

@@ -7,7 +7,8 @@ picks: every step is a complete speculative step at its width.
 - Acceptance per request and draft position: ``a[r, i]``, the probability that draft ``i`` is
   accepted once drafts ``1 .. i-1`` were, an exponentially weighted count of (accepted, reached)
   per position, shrunk toward every request's rate at that position (cold start: an optimistic
-  prior, so new traffic verifies full blocks until the counts say otherwise). Expected committed
+  prior, so new traffic verifies full blocks until the counts say otherwise; where every width can
+  run, width 2 first, the cheapest step that sees acceptance). Expected committed
   tokens at width ``w``: ``1 + sum_{j < w} prod_{i <= j} a[r, i]``. Per position, not one rate:
   a greedy streak makes later drafts likelier to pass (the one-rate model under-counted them).
 - Decisions are keyed on the decode requests only (prefills do not count) and switch only when the
@@ -316,8 +317,14 @@ class Planner:
         steps run by then (it ran at ``steps``) and ``probed`` the step of the last drafting probe."""
         W, cfg = self.width, self.cfg
         cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {1, W})}
-        if cost[W] is None:  # cold start: full blocks (and their cost and acceptance are learned)
-            return W
+        if cost[W] is None:  # cold start: full blocks (and their cost and acceptance are learned) ...
+            # ... or, where every width can run (eager), width 2 and then 1: the full width is then
+            # costed from those two (:meth:`_cost`). Why: on the CPU at T=1 (held-out chat, 16
+            # requests) the cold start's full-width steps cost 3-6x a one-token step each, ~2.5 s of
+            # a 63 s run that ended at 0.96x of the target alone (docs/benchmarks.md, twenty-ninth session)
+            if 2 in cost and cost[2] is None:
+                return 2
+            return 1 if 2 in cost else W
         if cost[1] is None:  # try width 1 once, to learn what it costs
             return 1
         keep = current if current in cost else W
@@ -497,10 +504,17 @@ class Planner:
         if 1 < width < self.width:
             lo, hi = self.cost(bucket, 1), self.cost(bucket, self.width)
             return None if lo is None or hi is None else lo + (hi - lo) * (width - 1) / (self.width - 1)
+        if width > 2 and self._never_ran(width):  # eager, before it ran: linear from widths 1 and 2
+            one, two = (self.costs.get((bucket, w)) or self._between_buckets(bucket, w) for w in (1, 2))
+            if one is not None and two is not None:
+                return one + (two - one) * (width - 1)
         other = self.costs.get((bucket, self.width if width == 1 else 1))
         if other is None or self.ratio is None:
             return self._between_buckets(bucket, width)
         return other * self.ratio if width == 1 else other / self.ratio
+
+    def _never_ran(self, width: int) -> bool:
+        return not any(w == width for _, w in self.costs)
 
     def _between_buckets(self, bucket: int, width: int) -> float | None:
         """A bucket with no profile where ``width`` has not run (the eager runner's: every batch size is
