@@ -132,12 +132,17 @@ class AcceptanceCounts:
         self.free: list[int] = []
         self._last: tuple[list[str], np.ndarray] = ([], np.zeros(0, dtype=np.int64))
         self.cnt = np.zeros((0, 2, positions))  # [row, (accepted, reached), position]
-        # every request's counts start as the prior's pseudo-drafts (``prior_drafts`` reached), which
-        # decay with the rest: at first the prior, then what was seen. Why: kept for good, the prior's
-        # 0.9 held the H200's held-out first-draft rate at 0.60 against ~0.4 seen at one request
-        # (docs/benchmarks.md, seventeenth session), so drafting went on where it lost.
-        m = prior_drafts
-        self.total = np.stack([np.full(positions, prior * m), np.full(positions, float(m))])  # [2, P]
+        # every request's counts start as the prior's pseudo-drafts (``prior_drafts`` reached at each
+        # position), which decay with the rest: at first the prior, then what was seen. Why: kept for
+        # good, the prior's 0.9 held the H200's held-out first-draft rate at 0.60 against ~0.4 seen at
+        # one request (docs/benchmarks.md, seventeenth session), so drafting went on where it lost.
+        # The pseudo-drafts of position i > 0 take the rate of position i - 1, not the prior: a position
+        # seldom reached (the eager cold start's width 2 sees only the first) is guessed from the one
+        # before it. Why: with 0.9 there, a first-draft rate of ~0.4 still priced a full block at 3.8
+        # tokens a row, and the CPU planner ran 16-row full blocks at T=1 that cost 5x a one-token step
+        # (docs/benchmarks.md, twenty-ninth session).
+        self.pseudo = float(prior_drafts)
+        self.total = np.zeros((2, positions))  # [(accepted, reached), P], observed, decayed
         self._prior_rates = self._rates_of_total()
         # every row's P(draft i accepted) (the cumulative product of its rates), kept between steps so
         # the planner's choice is a gather and a sum; None: to be computed (the counts changed)
@@ -164,8 +169,11 @@ class AcceptanceCounts:
         return out
 
     def _rates_of_total(self) -> np.ndarray:
-        eps = 1e-6  # a position no longer reached keeps the prior
-        return (self.total[0] + self.prior * eps) / (self.total[1] + eps)
+        w = self.pseudo + 1e-6  # (decayed for long enough, the pseudo-drafts underflow)
+        rates, prev = np.empty(self.P), self.prior
+        for i in range(self.P):  # a position no longer reached keeps the one before it's rate
+            prev = rates[i] = (self.total[0, i] + prev * w) / (self.total[1, i] + w)
+        return rates
 
     def prior_rates(self) -> np.ndarray:
         """Every request's rate per position (the prior until observed drafts outweigh it)."""
@@ -201,6 +209,7 @@ class AcceptanceCounts:
         # every request's totals from the histogram of accepted counts, not a sum over rows
         hist = np.bincount(n, minlength=self.P + 1)
         self.total = global_decay ** len(rids) * self.total + (hist @ add.reshape(len(hist), -1)).reshape(2, -1)
+        self.pseudo *= global_decay ** len(rids)
         self._prior_rates = self._rates_of_total()
         self._reach = None
 
@@ -322,9 +331,10 @@ class Planner:
             # costed from those two (:meth:`_cost`). Why: on the CPU at T=1 (held-out chat, 16
             # requests) the cold start's full-width steps cost 3-6x a one-token step each, ~2.5 s of
             # a 63 s run that ended at 0.96x of the target alone (docs/benchmarks.md, twenty-ninth session)
-            if 2 in cost and cost[2] is None:
-                return 2
-            return 1 if 2 in cost else W
+            # (at each batch size until the full width has run: a cost per row does not carry over)
+            if 2 not in cost:
+                return W
+            return 2 if (bucket, 2) not in self.costs else 1
         if cost[1] is None:  # try width 1 once, to learn what it costs
             return 1
         keep = current if current in cost else W
@@ -504,10 +514,10 @@ class Planner:
         if 1 < width < self.width:
             lo, hi = self.cost(bucket, 1), self.cost(bucket, self.width)
             return None if lo is None or hi is None else lo + (hi - lo) * (width - 1) / (self.width - 1)
-        if width > 2 and self._never_ran(width):  # eager, before it ran: linear from widths 1 and 2
-            one, two = (self.costs.get((bucket, w)) or self._between_buckets(bucket, w) for w in (1, 2))
-            if one is not None and two is not None:
-                return one + (two - one) * (width - 1)
+        if width > 2 and (bucket, 1) in self.costs and (bucket, 2) in self.costs and self._never_ran(width):
+            # eager, before it ran: linear in the width from widths 1 and 2 at this batch size
+            one, two = self.costs[(bucket, 1)], self.costs[(bucket, 2)]
+            return one + max(two - one, 0.0) * (width - 1)
         other = self.costs.get((bucket, self.width if width == 1 else 1))
         if other is None or self.ratio is None:
             return self._between_buckets(bucket, width)
