@@ -5,6 +5,7 @@ distribution exact) while the width changes from step to step."""
 import random
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,25 +75,26 @@ def test_planner_cold_start_probe_and_hysteresis():
 @pytest.mark.parametrize("accepted, then", [(0, 1), (1, W)])
 def test_an_eager_cold_start_tries_width_2_then_1_and_costs_the_full_width_from_them(accepted, then):
     """Where every width can run (the eager runner), the cold start runs width 2 (it sees the first
-    draft's acceptance) and width 1, not a full block; the full width is then priced linear in the
-    width from those two, here and at batch sizes that have not run; drafting goes on only where it
-    pays (``accepted``: the first draft's outcome)."""
+    draft's acceptance) and width 1, not a full block; from then on a shape that has not run is priced
+    by its tokens (rows x width: a fixed part and a part per token, fitted over what ran), at every
+    batch size; drafting goes on only where it pays (``accepted``: the first draft's outcome)."""
     p = Planner(W, PlannerConfig(mode="auto"), widths=tuple(range(1, W + 1)))
     rids = [f"r{i}" for i in range(4)]
     assert p.choose(rids, 4) == 2
     p.observe(rids, [accepted] * 4, 2, 4, 0.006)
     assert p.choose(rids, 4) == 1
     p.observe(rids, [0] * 4, 1, 4, 0.004)
-    assert p.cost(4, W) == pytest.approx(0.004 + 0.002 * (W - 1))
+    assert p.cost(4, W) == pytest.approx(0.004 + 0.002 * (W - 1))  # 2 ms + 0.5 ms a token
     assert p.choose(rids, 4) == then
-    # another batch size: its own widths 2 and 1 first (a cost per row does not carry over), never a
-    # negative slope (noise: width 2 measured cheaper than width 1)
     rows8 = [f"r{i}" for i in range(8)]
-    assert p.cost(8, W) is None and p.choose(rows8, 8) == 2
-    p.observe(rows8, [accepted] * 8, 2, 8, 0.007)
-    assert p.choose(rows8, 8) == 1
-    p.observe(rows8, [0] * 8, 1, 8, 0.008)
-    assert p.cost(8, W) == pytest.approx(0.008)
+    assert p.cost(8, W) == pytest.approx(0.002 + 0.0005 * 8 * W)  # another batch size: by its tokens
+    assert p.choose(rows8, 8) != 2  # no second cold start
+    p.observe(rows8, [0] * 8, 1, 8, 0.009)  # the fit follows what runs: 8 tokens at 9 ms
+    assert p.cost(8, W) == pytest.approx(float(np.polyval(np.polyfit([8, 4, 8], [6, 4, 9], 1), 40)) / 1e3)
+    slow = Planner(W, PlannerConfig(mode="auto"), widths=tuple(range(1, W + 1)))
+    slow.observe(rids, [0] * 4, 2, 4, 0.006)
+    slow.observe(rids, [0] * 4, 1, 4, 0.007)  # noise: one token a row dearer than two
+    assert slow.cost(4, W) is None and slow.choose(rids, 4) == 1  # no fit that falls with tokens
     graphs = Planner(W, PlannerConfig(mode="auto"))  # two widths (graphs): full blocks first, as before
     assert graphs.choose(rids, 4) == W
 
@@ -668,15 +670,17 @@ def test_auto_admits_without_drafting_while_a_request_that_does_not_draft_runs(l
         t, d, EngineConfig(max_running_requests=4, num_draft_tokens=W, context_length=128, speculative_planner="auto")
     )
     eng.planner.cfg = PlannerConfig(mode="auto", cost_decay=0.999, probe_every=1000)
-    for B in range(1, 5):
-        eng.planner.costs[(B, W)], eng.planner.costs[(B, 1)] = 0.050, 0.010  # drafting cannot pay
+    for B in range(1, 5):  # every width (the eager runner runs any): drafting cannot pay
+        for w in range(1, W + 1):
+            eng.planner.costs[(B, w)] = 0.010 * w
     prompts = [torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(3)]
     reqs = [Request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, (12, 4, 4))]
     eng.add_request(reqs[0])
     eng.step()
     assert not reqs[0].speculate
-    for B in range(1, 5):
-        eng.planner.costs[(B, W)] = 0.020  # now drafting pays (4.1 tokens in 20 ms against 1 in 10)
+    for B in range(1, 5):  # now drafting pays (4.1 tokens in 20 ms against 1 in 10)
+        for w in range(2, W + 1):
+            eng.planner.costs[(B, w)] = 0.010 + 0.0025 * (w - 1)
     assert eng.planner.speculate_new(2, 2)
     eng.add_request(reqs[1])
     eng.step()

@@ -255,6 +255,8 @@ class Planner:
     widths: tuple[int, ...] = ()
     counts: AcceptanceCounts = field(init=False)  # per request and position
     _pending: tuple[list[str], list[int], int] | None = None  # a step observed, its counts not folded yet
+    _fit: tuple[float, float] | None = None  # eager: (fixed, per token) seconds, see _token_cost
+    _fit_sig: tuple[int, float] = (-1, 0.0)  # the costs it was fitted on
 
     def __post_init__(self):
         self.counts = AcceptanceCounts(
@@ -327,14 +329,13 @@ class Planner:
         W, cfg = self.width, self.cfg
         cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {1, W})}
         if cost[W] is None:  # cold start: full blocks (and their cost and acceptance are learned) ...
-            # ... or, where every width can run (eager), width 2 and then 1: the full width is then
-            # costed from those two (:meth:`_cost`). Why: on the CPU at T=1 (held-out chat, 16
+            # ... or, where every width can run (eager), width 2 and then 1. Why: on the CPU at T=1 (held-out chat, 16
             # requests) the cold start's full-width steps cost 3-6x a one-token step each, ~2.5 s of
             # a 63 s run that ended at 0.96x of the target alone (docs/benchmarks.md, twenty-ninth session)
-            # (at each batch size until the full width has run: a cost per row does not carry over)
-            if 2 not in cost:
+            # (once each: from then on every shape is priced by its tokens, :meth:`_token_cost`)
+            if not self._any_width():
                 return W
-            return 2 if (bucket, 2) not in self.costs else 1
+            return 2 if self._never_ran(2) else 1
         if cost[1] is None:  # try width 1 once, to learn what it costs
             return 1
         keep = current if current in cost else W
@@ -497,7 +498,8 @@ class Planner:
     def _cost(self, bucket: int, width: int) -> float | None:
         """Seconds of a step at ``width`` (0: the target alone beside a drafter): measured at this
         bucket; else profiled, times what the shapes of that width that ran cost live over their
-        profile (:meth:`_scale_of`: the other widths' where none has run); else derived from the
+        profile (:meth:`_scale_of`: the other widths' where none has run); eager, by its tokens
+        (:meth:`_token_cost`); else derived from the
         other end (1 or the full width) measured there and the latest ratio between the two; a width
         between the ends, linear between their costs (tokens per row grow linearly; None: nothing to
         go on). Why the scale: the replays run at the shortest context and leave out host work, and a
@@ -511,13 +513,11 @@ class Planner:
             return self.profile[key] * self._scale_of(width)
         if width == 0:
             return self._between_buckets(bucket, 0)
+        if self._any_width():  # eager: by its tokens
+            return self._token_cost(bucket * width)
         if 1 < width < self.width:
             lo, hi = self.cost(bucket, 1), self.cost(bucket, self.width)
             return None if lo is None or hi is None else lo + (hi - lo) * (width - 1) / (self.width - 1)
-        if width > 2 and (bucket, 1) in self.costs and (bucket, 2) in self.costs and self._never_ran(width):
-            # eager, before it ran: linear in the width from widths 1 and 2 at this batch size
-            one, two = self.costs[(bucket, 1)], self.costs[(bucket, 2)]
-            return one + max(two - one, 0.0) * (width - 1)
         other = self.costs.get((bucket, self.width if width == 1 else 1))
         if other is None or self.ratio is None:
             return self._between_buckets(bucket, width)
@@ -525,6 +525,28 @@ class Planner:
 
     def _never_ran(self, width: int) -> bool:
         return not any(w == width for _, w in self.costs)
+
+    def _any_width(self) -> bool:
+        """Whether a step can run every width up to the full one (the eager runner)."""
+        return self.width > 2 and set(range(1, self.width + 1)) <= set(self.widths)
+
+    def _token_cost(self, tokens: int) -> float | None:
+        """Eager: seconds of a drafting step of ``tokens`` rows x width, a fixed part plus a part per
+        token fitted (least squares) over every drafting shape measured; None before two token counts
+        ran (or where the fit does not grow with tokens). Why: the eager step's cost follows its tokens
+        across batch sizes, where the ratio of two widths or a neighbour's cost does not: on the CPU a
+        full block cost 1.7x a one-token step at 1 row and 5.7x at 16, and priced from a 1-row ratio or
+        from widths 1 and 2 at one size, 16-row blocks of 5-8 drafts ran at T=1 where they lost
+        (docs/benchmarks.md, twenty-ninth session)."""
+        sig = (len(self.costs), sum(self.costs.values()))
+        if self._fit_sig != sig:
+            pts = np.array([(b * w, c) for (b, w), c in self.costs.items() if w >= 1], dtype=float).reshape(-1, 2)
+            fit = None
+            if len(np.unique(pts[:, 0])) >= 2:
+                per_token, fixed = np.polyfit(pts[:, 0], pts[:, 1], 1)
+                fit = (max(float(fixed), 0.0), float(per_token)) if per_token > 0 else None
+            self._fit_sig, self._fit = sig, fit
+        return None if self._fit is None else self._fit[0] + self._fit[1] * tokens
 
     def _between_buckets(self, bucket: int, width: int) -> float | None:
         """A bucket with no profile where ``width`` has not run (the eager runner's: every batch size is
