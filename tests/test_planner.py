@@ -457,6 +457,15 @@ def test_retire_only_after_costs_are_measured_and_drafting_cannot_pay():
     off.costs = dict(p.costs)
     off.steps = 10
     assert not off.retire(4)
+    # eager (every width runs; acceptance seen from the cold start's width 2): from retire_every steps
+    eager = Planner(W, PlannerConfig(mode="auto", probe_every=32, retire_every=2), widths=tuple(range(1, W + 1)))
+    for w in (2, 1):
+        eager.observe(["a"], [0], w, 4, 0.010 * w)
+    assert eager.retire(4)
+    graphs = Planner(W, PlannerConfig(mode="auto", probe_every=32, retire_every=2))
+    for w in (W, 1):
+        graphs.observe(["a"], [0], w, 4, 0.010 * w)
+    assert not graphs.retire(4)
 
 
 @pytest.mark.parametrize("runner", ["paged", "static"])
@@ -840,6 +849,7 @@ def test_engine_folds_counts_while_the_step_runs_and_keeps_no_finished_row(llama
             max_running_requests=3, num_draft_tokens=W, context_length=128, runner=runner, speculative_planner="auto"
         ),
     )
+    eng.planner.cfg = PlannerConfig(mode="auto", retire_every=1000)  # the random drafter keeps drafting
     inside, folds = {"now": False}, {"in": 0, "out": 0}
     real_step, real_fold = eng.runner.step, eng.planner.fold
 

@@ -404,7 +404,7 @@ class Planner:
 
     def retire(self, bucket: int) -> bool:
         """Whether the drafting requests of a batch at ``bucket`` stop drafting for good: auto only,
-        after ``probe_every`` steps (step costs measured; acceptance is the optimistic prior until
+        after ``probe_every`` steps (eager: ``retire_every``) (step costs measured; acceptance is the optimistic prior until
         drafts are seen, so this errs toward drafting), where the best drafting width falls short of
         the target alone (no hysteresis: retirement is for good, so it cannot flap; and the tail of a
         finishing wave and the drafter's prefill upkeep, not in the step costs, make break-even a
@@ -413,7 +413,11 @@ class Planner:
         the target alone; on the H200 at 32-64 requests that first wave held the planner at
         0.55-0.85x of the target alone while it chose width 1 for every step (docs/benchmarks.md,
         seventeenth session). One way: a request without a draft context cannot draft again."""
-        if not self.adapts or self.steps < self.cfg.probe_every or self.steps % self.cfg.retire_every:
+        # eager, the cold start's width 2 has seen acceptance by its second step: from retire_every on.
+        # Why: a first wave that could not pay kept drafting (its width 1 writes latents) for 32-40 steps
+        # on the CPU at 16 requests, T=1 (docs/benchmarks.md, twenty-ninth session)
+        first = self.cfg.retire_every if self._any_width() else self.cfg.probe_every
+        if not self.adapts or self.steps < first or self.steps % self.cfg.retire_every:
             return False
         if 1 in (self.widths or (1,)) and not any(w in (0, 1) for _, w in self.costs):
             return False  # for good, so only once a one-token step has a cost of its own (a probe)
