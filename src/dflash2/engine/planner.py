@@ -17,9 +17,10 @@ picks: every step is a complete speculative step at its width.
   width 1 only where it is within ``probe_reach`` of winning).
   A width never run at a bucket is costed from the other width there and the latest ratio of the
   two seen anywhere, else between the nearest buckets where it ran, so each new batch size does not
-  have to try both. Where the runner can run any width (the eager paged runner), the widths between
-  1 and the full one are costed linearly between the two ends until they have run, and the best of
-  them all is taken. A one-token step is never priced above a wider one at the same bucket.
+  have to try both (graphs; widths between the two ends: linear between them). Where the runner can
+  run any width (the eager paged runner), a shape that has not run is priced by its tokens (a fixed
+  part and a part per token, fitted over what ran), and the best of every width is taken. A
+  one-token step is never priced above a wider one at the same bucket.
 - Whether a new request drafts at all (:meth:`Planner.speculate_new`), once, at admission: where
   the best drafting width cannot beat the target alone at that load, it does not, and keeps no
   draft context (no drafter work in its prefill or its steps, one token of KV lookahead). Width 1
