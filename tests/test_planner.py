@@ -819,6 +819,7 @@ def test_engine_takes_the_width_chosen_during_the_last_step(llama, runner, monke
     cfg = EngineConfig(max_running_requests=3, num_draft_tokens=W, context_length=128, runner=runner,
                        speculative_planner="auto")  # fmt: skip
     eng = LLMEngine(t, d, cfg)
+    eng.planner.cfg = PlannerConfig(mode="auto", retire_every=1000)  # the random drafter keeps drafting
     calls = {"choose": 0, "ahead": 0}
     real_choose, real_ahead = eng.planner.choose, eng.planner.choose_ahead
     monkeypatch.setattr(eng.planner, "choose", lambda *a: calls.update(choose=calls["choose"] + 1) or real_choose(*a))
