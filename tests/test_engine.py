@@ -12,6 +12,7 @@ from test_speculative import hf_greedy, random_draft
 from dflash2.engine.engine import EngineConfig, LLMEngine
 from dflash2.engine.graph_runner import GraphModelRunner, plan_prefill
 from dflash2.engine.model_runner import ModelRunner, PagedLayer
+from dflash2.engine.planner import PlannerConfig
 from dflash2.engine.request import Request
 from dflash2.target import TargetModel
 from dflash2.verification import SamplingParams
@@ -451,6 +452,7 @@ def test_step_costs_leave_out_the_prefill_inside_the_step(llama, runner, monkeyp
     t, d = llama
     eng = LLMEngine(t, d, EngineConfig(max_running_requests=3, num_draft_tokens=4, context_length=128,
                                        runner=runner, speculative_planner="auto"))  # fmt: skip
+    eng.planner.cfg = PlannerConfig(mode="auto", retire_every=1000)  # every step drafts: each one observed
     real_chunks, slow = eng._prefill_chunks, 0.25
 
     def chunks(c):  # a prefill that takes long on the host (the CPU has no device to overlap with)
