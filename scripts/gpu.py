@@ -837,6 +837,7 @@ def stage_steps(args) -> None:
     kernels: dict = {}
     n = 100 if dev == "cuda" else 2
     samplers = args.sampler_backends.split(",")
+    kinds = args.steps_kinds.split(",")
     for attention, sampler in [
         (a, sb) for a in (args.steps_attention.split(",") if dev == "cuda" else ("sdpa",)) for sb in samplers
     ]:
@@ -858,7 +859,7 @@ def stage_steps(args) -> None:
             for greedy in (True, False):
                 # plain: width 1 of requests that do not draft (no latent writes), the auto planner's
                 # target-alone step, against the target-alone engine's own verify w1 below
-                for kind, w in (("draft", 5), ("verify", 5), ("verify", 1), ("plain", 1)):
+                for kind, w in [k for k in (("draft", 5), ("verify", 5), ("verify", 1), ("plain", 1)) if k[0] in kinds]:
                     step, _ = runner._graph(kind, B, greedy, 1088, w)
                     key = f"{attention} {sampler} B{B} {'greedy' if greedy else 'T=1'} {kind} w{w}"
                     times[key] = round(replay_ms(step, n), 3)
@@ -867,24 +868,24 @@ def stage_steps(args) -> None:
                         kernels[key] = kernel_table(step.fn)
                         runner.start[:B] = 300
             del runner
-            # the target alone (no drafter): its one-token step, against the DFlash2 runner's width 1
-            plain = GraphModelRunner(target, None, 1, B, 1088, cuda_graph=dev == "cuda", attention=attention,
-                                     sampler=sampler)  # fmt: skip
-            reqs = [Request(prompt[: 300 - b], SamplingParams()) for b in range(B)]
-            for r in reqs:
-                plain.prefill(r)
-                r.output_ids.append(r.prompt_ids[-1])
-            plain._load(reqs, BatchSampling(*(getattr(sampling, f)[:, :0] if getattr(sampling, f).dim() == 2
-                                              else getattr(sampling, f) for f in BatchSampling.__dataclass_fields__)))  # fmt: skip
-            for greedy in (True, False):
-                step, _ = plain._graph("verify", B, greedy, 1088, 1)
-                key = f"{attention} {sampler} B{B} {'greedy' if greedy else 'T=1'} target-alone verify w1"
-                times[key] = round(replay_ms(step, n), 3)
-                plain.start[:B] = 300
-                if args.profile and dev == "cuda":
-                    kernels[key] = kernel_table(step.fn)
+            if "alone" in kinds:  # the target alone (no drafter): its one-token step, against width 1
+                plain = GraphModelRunner(target, None, 1, B, 1088, cuda_graph=dev == "cuda", attention=attention,
+                                         sampler=sampler)  # fmt: skip
+                reqs = [Request(prompt[: 300 - b], SamplingParams()) for b in range(B)]
+                for r in reqs:
+                    plain.prefill(r)
+                    r.output_ids.append(r.prompt_ids[-1])
+                plain._load(reqs, BatchSampling(*(getattr(sampling, f)[:, :0] if getattr(sampling, f).dim() == 2
+                                                  else getattr(sampling, f) for f in BatchSampling.__dataclass_fields__)))  # fmt: skip
+                for greedy in (True, False):
+                    step, _ = plain._graph("verify", B, greedy, 1088, 1)
+                    key = f"{attention} {sampler} B{B} {'greedy' if greedy else 'T=1'} target-alone verify w1"
+                    times[key] = round(replay_ms(step, n), 3)
                     plain.start[:B] = 300
-            del plain
+                    if args.profile and dev == "cuda":
+                        kernels[key] = kernel_table(step.fn)
+                        plain.start[:B] = 300
+                del plain
             if dev == "cuda":
                 torch.cuda.empty_cache()
     for k, v in times.items():
@@ -894,7 +895,9 @@ def stage_steps(args) -> None:
         for name, count, ms in rows[:12]:
             log(f"    {ms:7.3f} ms {count:4d}x {name[:90]}")
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "steps.json").write_text(json.dumps({"env": info, "replay_ms": times, "kernels": kernels}, indent=1))
+    (OUT / f"steps_{args.steps_shape or 'smollm2'}.json").write_text(
+        json.dumps({"env": info, "replay_ms": times, "kernels": kernels}, indent=1)
+    )
 
 
 def random_block_inputs(target, draft, B: int, g) -> tuple:
@@ -1039,12 +1042,15 @@ def kernel_table(fn, calls: int = 5) -> list[tuple[str, int, float]]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
+    # without grad, as the graphs were captured: the draft runs its compiled layers only then (under
+    # grad the tables of sessions 28-29 showed the eager draft's kernels, not what the graph replays)
+    with torch.no_grad():
+        fn()
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
     rows = [
         (e.key, e.count // calls, round(e.self_device_time_total / 1e3 / calls, 4))
         for e in prof.key_averages()
@@ -1667,6 +1673,9 @@ def main() -> None:
         "--steps-shape", default="", help="steps: a random target of this shape (default: SmolLM2 + shipped drafter)"
     )
     ap.add_argument("--steps-attention", default="sdpa,live", help="steps: the target's attention backends timed")
+    ap.add_argument(
+        "--steps-kinds", default="draft,verify,plain,alone", help="steps: which graphs (alone: the target alone's)"
+    )
     ap.add_argument("--sampler-backends", default="sort", help="steps: e.g. sort,triton (the sampled truncation)")
     ap.add_argument("--attn-shapes", default="smollm2,llama8b", help="attn: random targets of these shapes timed")
     ap.add_argument(

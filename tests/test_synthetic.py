@@ -105,6 +105,7 @@ def test_shapes_are_the_real_models_sizes():
         "llama-1b": (1_235_814_400, "LlamaForCausalLM"),
         "llama-8b": (8_030_261_248, "LlamaForCausalLM"),
         "kimi-linear-48b-a3b": (49_133_074_464, "KimiLinearForCausalLM"),
+        "published-draft": (2_947_445_760, "LlamaForCausalLM"),  # a stand-in: only its drafter is real
     }
     assert set(SHAPES) == set(expect)
     for name, (params, cls) in expect.items():
@@ -113,6 +114,21 @@ def test_shapes_are_the_real_models_sizes():
         assert type(model).__name__ == cls and sum(p.numel() for p in model.parameters()) == params, name
     cfg = target_config("kimi-linear-48b-a3b")  # the hybrid: 3 linear-attention layers to 1 MLA, 8 of 256 experts
     assert cfg.layer_types.count("full_attention") == 6 and cfg.num_experts_per_token == 8
+
+
+def test_published_draft_shape_carries_the_published_drafter():
+    """The stand-in shape's drafter is the published one: its parameter count and target layer ids."""
+    import json
+
+    from dflash2.benchmark.shapes import PUBLISHED_DRAFT, draft_config
+    from dflash2.model import DFlash2DraftModel
+
+    cfg = draft_config("published-draft", 5)
+    raw = json.loads(PUBLISHED_DRAFT.read_text())
+    assert cfg.target_layer_ids == raw["dflash_config"]["target_layer_ids"]
+    with torch.device("meta"):
+        draft = DFlash2DraftModel(cfg)
+    assert sum(p.numel() for p in draft.parameters()) == 2_784_811_008
 
 
 def test_hybrid_shape_builds_a_target_and_drafter(monkeypatch):

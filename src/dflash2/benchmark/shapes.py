@@ -33,6 +33,14 @@ SHAPES: dict[str, dict] = {
     # 2,304, three Kimi-delta-attention layers to one MLA layer, 256 experts of which 8 run per token,
     # 49.1 B parameters). Served by the paged eager runner (the static forward is dense-Llama only).
     "kimi-linear-48b-a3b": dict(config_class="KimiLinearConfig"),
+    # A stand-in that carries the published drafter at its own size: the card target's hidden size
+    # (7,168), vocabulary (163,840) and depth (93 layers, so the drafter reads the card's layer ids),
+    # with one 128-wide attention head and a 128-wide MLP a layer. Only the draft's times (and the
+    # LM head it shares) mean anything; the target's own steps are not any real model's.
+    "published-draft": dict(
+        vocab_size=163840, hidden_size=7168, intermediate_size=128, num_hidden_layers=93,
+        num_attention_heads=1, num_key_value_heads=1, head_dim=128, tie_word_embeddings=False, rope_theta=50000.0,
+    ),
 }  # fmt: skip
 
 
@@ -47,18 +55,11 @@ def target_config(name: str):
     return cls(**shape)
 
 
-def random_models(name: str, device: str, dtype: torch.dtype, width: int, tokenizer, seed: int = 0):
-    """``(target, draft)`` with random weights: the target of shape ``name``, the drafter of the
-    published architecture with its target layer ids scaled to this target's depth."""
-    import torch
-    import transformers as tf
-
+def draft_config(name: str, width: int):
+    """The drafter of the published architecture at shape ``name``'s hidden size and vocabulary, its
+    target layer ids scaled to that target's depth."""
     from ..config import DFlash2Config
-    from ..model import DFlash2DraftModel
-    from ..target import TargetModel
 
-    if name not in SHAPES:
-        raise SystemExit(f"--target-shape {name!r}: known shapes are {', '.join(SHAPES)}")
     cfg = target_config(name)
     layers = cfg.num_hidden_layers
     raw = json.loads(PUBLISHED_DRAFT.read_text())
@@ -66,13 +67,28 @@ def random_models(name: str, device: str, dtype: torch.dtype, width: int, tokeni
     ids = sorted({min(layers - 1, round(i * layers / raw["num_target_layers"])) for i in published_ids})
     raw.update(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_target_layers=layers)
     raw["dflash_config"].update(target_layer_ids=ids, block_size=width, mask_token_id=cfg.vocab_size - 1)
+    return DFlash2Config.from_dict(raw)
+
+
+def random_models(name: str, device: str, dtype: torch.dtype, width: int, tokenizer, seed: int = 0):
+    """``(target, draft)`` with random weights: the target of shape ``name``, the drafter of
+    :func:`draft_config`."""
+    import torch
+    import transformers as tf
+
+    from ..model import DFlash2DraftModel
+    from ..target import TargetModel
+
+    if name not in SHAPES:
+        raise SystemExit(f"--target-shape {name!r}: known shapes are {', '.join(SHAPES)}")
+    cfg, dcfg = target_config(name), draft_config(name, width)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in the run's dtype on its device: no float32 copy of 16 GB
     try:
         with torch.device(device):
             model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-            draft = DFlash2DraftModel(DFlash2Config.from_dict(raw)).init_weights().eval()
+            draft = DFlash2DraftModel(dcfg).init_weights().eval()
     finally:
         torch.set_default_dtype(previous)
-    return TargetModel(model, tokenizer, ids), draft
+    return TargetModel(model, tokenizer, dcfg.target_layer_ids), draft
