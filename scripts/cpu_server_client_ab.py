@@ -5,6 +5,11 @@ drafter trained on them) at a fixed concurrency, 128 new tokens, top-p 0.95; out
 tokens of all requests / wall of the batch. Greedy outputs are compared across servers (lossless).
 
     .venv/bin/python scripts/cpu_server_client_ab.py --concurrency 16 --prompts 32 --temperatures 0,1
+
+``--interleave N``: every server up at once (idle ones wait on their queue), the batch sent to each in
+turn, N rounds, the order reversed every round (ABBA): drift on a shared machine (one server alone
+moved 41.6-52.1 tok/s between sequential runs, docs/benchmarks.md, twenty-ninth session) then falls on
+both sides alike. Each server's tokens/s is its tokens over its walls, summed over the rounds.
 """
 
 from __future__ import annotations
@@ -69,6 +74,48 @@ def spec_metrics(port: int) -> dict[str, float]:
     return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in lines if ln.startswith("dflash2_spec"))}
 
 
+def start(name: str, port: int, flags: dict, args, temp: float) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "dflash2.cli", "serve", "--port", str(port),
+           "--max-running-requests", str(args.concurrency), *flags[name]]  # fmt: skip
+    log = open(Path(args.logs) / f"server_{name}_T{temp}.log", "w") if args.logs else subprocess.DEVNULL
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def interleaved(args, prompts: list[str], flags: dict) -> None:
+    names = args.servers.split(",")
+    out = []
+    for temp in [float(t) for t in args.temperatures.split(",")]:
+        ports = {n: args.port + i for i, n in enumerate(names)}
+        procs = {}
+        try:
+            for n in names:  # one at a time: start-up (model load, warm-up) is CPU-heavy
+                procs[n] = start(n, ports[n], flags, args, temp)
+                wait_healthy(ports[n], procs[n])
+                asyncio.run(run_batch(ports[n], prompts[:2], 2, temp, 8))
+            rounds: list[dict] = []
+            for i in range(args.interleave):
+                order = names if i % 2 == 0 else names[::-1]
+                got = {n: asyncio.run(run_batch(ports[n], prompts, args.concurrency, temp, args.tokens)) for n in order}
+                rounds.append({n: {"tok_s": got[n]["tok_s"], "wall_s": got[n]["wall_s"], "tokens": got[n]["tokens"]}
+                               for n in names})  # fmt: skip
+                if temp == 0:
+                    rounds[-1]["greedy_same"] = all(got[n]["texts"] == got[names[0]]["texts"] for n in names)
+                print(f"T={temp} round {i} ({','.join(order)}):", {n: got[n]["tok_s"] for n in names}, flush=True)
+            total = {n: sum(r[n]["tokens"] for r in rounds) / sum(r[n]["wall_s"] for r in rounds) for n in names}
+            row = {"T": temp, "concurrency": args.concurrency, "rounds": rounds,
+                   "tok_s": {n: round(v, 2) for n, v in total.items()},
+                   "ratio": {n: round(v / total[names[0]], 3) for n, v in total.items()},
+                   "metrics": {n: spec_metrics(ports[n]) for n in names}}  # fmt: skip
+        finally:
+            for p in procs.values():
+                p.terminate()
+                p.wait(30)
+        out.append(row)
+        print(f"T={temp} c={args.concurrency}, {args.interleave} rounds:", row["tok_s"], row["ratio"], flush=True)
+    if args.output:
+        Path(args.output).write_text(json.dumps(out, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--heldout", default=str(ROOT / "work" / "recipe" / "heldout_prompts.jsonl"))
@@ -80,6 +127,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=30013)
     ap.add_argument("--output", default=None)
     ap.add_argument("--logs", default=None, help="a folder for each server's log")
+    ap.add_argument("--interleave", type=int, default=0, help="rounds with every server up at once (ABBA order)")
     args = ap.parse_args()
     from dflash2.training.sources import load_prompts
 
@@ -90,6 +138,8 @@ def main() -> None:
              # what a drafter engine's target-alone steps cost beside the target's own
              "plain": ["--speculative-width-schedule", "1:8"]}  # fmt: skip
     rows = []
+    if args.interleave:
+        return interleaved(args, prompts, flags)
     for temp in [float(t) for t in args.temperatures.split(",")]:
         for name in args.servers.split(","):
             cmd = [sys.executable, "-m", "dflash2.cli", "serve", "--port", str(args.port),

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DFlash2Config
+from ..kernels.mla_attention import kernel_shapes_ok, latent_attention_op
 from .rope import RotaryEmbedding, apply_interleaved_rope
 
 
@@ -56,6 +57,22 @@ def build_block_mask(
 TENSOR_CORE_SCORES = True
 
 
+# On CUDA in half precision, without grad (serving: the kernel has no backward), the attention is
+# the fused kernel (kernels/mla_attention.py); module-level so a benchmark can time both forms.
+FUSED_ATTENTION = True
+
+
+def fused_applies(q: torch.Tensor, rank: int) -> bool:
+    rope = q.shape[-1] - rank
+    return (
+        FUSED_ATTENTION
+        and q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and not torch.is_grad_enabled()
+        and kernel_shapes_ok(rank, rope)
+    )
+
+
 def _tensor_cores(x: torch.Tensor) -> bool:
     return TENSOR_CORE_SCORES and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
@@ -101,13 +118,7 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
         cos, sin = self.rotary.cos_sin(positions, q.dtype)
         q_pe = apply_interleaved_rope(q_pe, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        parts = [ctx_latent.to(h.dtype), self.latent(h, positions)]  # context first
-        pad = (-(parts[0].shape[1] + Lq)) % 8
-        if pad:  # masked zero keys: a row stride of 8 lets cuBLAS pick aligned kernels (see _fp32_matmul)
-            parts.append(h.new_zeros(B, pad, parts[0].shape[-1]))
-            mask = F.pad(mask, (0, pad), value=False)
-        lat = torch.cat(parts, dim=1)
-        c, k_pe = lat.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
+        ctx, blk = ctx_latent.to(h.dtype), self.latent(h, positions)  # context keys first, then the block's
         # Absorbed MLA: fold kv_b's key half into the queries and its value half into the output, so
         # attention runs over the latent (kv_lora + rope values per token, shared by all heads)
         # instead of expanding every context row to n heads each step. Same function as
@@ -115,18 +126,34 @@ class MLAttention(nn.Module):
         w_kv = self.kv_b_proj.weight.view(n, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w_kv[:, : cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim :]
         q_lat = torch.einsum("blhd,hdc->bhlc", q_nope, w_uk)
-        q = torch.cat([q_lat, q_pe.transpose(1, 2)], -1)  # [B, n, Lq, lora+rope]
+        q = torch.cat([q_lat, q_pe.transpose(1, 2)], -1).reshape(B, n * Lq, -1)  # rows [heads, Lq]
+        if fused_applies(q, cfg.kv_lora_rank):
+            out_lat = latent_attention_op(q, ctx, blk, mask, self.scale, cfg.kv_lora_rank)
+        else:
+            out_lat = self._attend(q, ctx, blk, mask)
+        out_lat = out_lat.view(B, n, Lq, cfg.kv_lora_rank).to(h.dtype)
+        out = torch.einsum("bhlc,hvc->blhv", out_lat, w_uv)
+        return self.o_proj(out.reshape(B, Lq, n * cfg.v_head_dim))
+
+    def _attend(self, q: torch.Tensor, ctx: torch.Tensor, blk: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The plain torch form of ``kernels/mla_attention.py``: ``q [B, n*Lq, D]`` -> ``[B, n*Lq, rank]``."""
+        B, M, _ = q.shape
+        n, Lq = M // blk.shape[1], blk.shape[1]
+        parts = [ctx, blk]
+        pad = (-(ctx.shape[1] + Lq)) % 8
+        if pad:  # masked zero keys: a row stride of 8 lets cuBLAS pick aligned kernels (see _fp32_matmul)
+            parts.append(blk.new_zeros(B, pad, blk.shape[-1]))
+            mask = F.pad(mask, (0, pad), value=False)
+        lat = torch.cat(parts, dim=1)
+        c = lat[..., : self.cfg.kv_lora_rank]
         # Every head reads the same latent keys/values (MQA form), so all n*Lq query rows go through
         # one matmul against [B, Lk, D]; SDPA over the head-expanded (stride-0) k/v took 3 ms a layer
         # on the CPU, mostly scaling the expanded keys. Scores and softmax in fp32; on CUDA the
         # probabilities enter the value matmul as bf16, as in flash attention (H200, 8B shape, batch
         # 64: the block 14.9 -> 9.2 ms, GSM8K acceptance unchanged).
-        scores = _fp32_matmul(q.reshape(B, n * Lq, -1), lat.transpose(1, 2)).view(B, n, Lq, -1)
+        scores = _fp32_matmul(q, lat.transpose(1, 2)).view(B, n, Lq, -1)
         scores = (scores * self.scale).masked_fill(~mask.unsqueeze(1), float("-inf"))
-        probs = scores.softmax(-1).view(B, n * Lq, -1)
+        probs = scores.softmax(-1).view(B, M, -1)
         # on tensor cores the product is accumulated in fp32 and rounded to bf16 once, as the fp32
         # result cast to h.dtype was
-        out_lat = torch.bmm(probs.to(c.dtype), c) if _tensor_cores(c) else torch.matmul(probs, c.float())
-        out_lat = out_lat.view(B, n, Lq, cfg.kv_lora_rank).to(h.dtype)
-        out = torch.einsum("bhlc,hvc->blhv", out_lat, w_uv)
-        return self.o_proj(out.reshape(B, Lq, n * cfg.v_head_dim))
+        return torch.bmm(probs.to(c.dtype), c) if _tensor_cores(c) else torch.matmul(probs, c.float())
