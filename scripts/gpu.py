@@ -1053,6 +1053,67 @@ def draft_fused_check(target, draft) -> dict:
     return out
 
 
+def stage_mla(args) -> None:
+    """The fused latent attention's launch configurations (kernels/mla_attention.py CONFIG) at batch 64
+    and 1 (96 heads x 5 rows, 1,024 context latents, bf16), each checked against the float32 reference
+    and timed beside the torch path (matmuls + softmax); then, with the fastest, the draft block of a
+    random 8B-shape drafter both ways (--draft-fused's check)."""
+    import itertools
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from dflash2.benchmark import shapes
+    from dflash2.kernels import mla_attention as mla
+    from dflash2.model import attention
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf, report = torch.bfloat16, {"env": env_report(), "sweep": {}}
+    for B in (64, 1):
+        q = torch.randn(B, 480, 576, device="cuda", generator=g).to(bf)
+        ctx = torch.randn(B, 1024, 576, device="cuda", generator=g).to(bf)
+        blk = torch.randn(B, 5, 576, device="cuda", generator=g).to(bf)
+        mask = torch.rand(B, 5, 1029, device="cuda", generator=g) < 0.7
+        mask[..., 1024:] = True
+        ref = mla.latent_attention_ref(q, ctx, blk, mask, 0.06, 512)
+
+        class Cfg:  # the torch path's own scale and rank, for its time
+            cfg = type("c", (), {"kv_lora_rank": 512})()
+            scale = 0.06
+
+        torch_ms = replay_ms(lambda: attention.MLAttention._attend(Cfg, q, ctx, blk, mask), 50)
+        rows = []
+        if B == 64:
+            configs = [dict(block_m=bm, block_n=bn, block_v=bv, num_warps=w, num_stages=st)
+                       for bm, bn, bv, w, st in itertools.product((32, 64, 128), (32, 64), (128, 256, 512), (4, 8), (1, 2))]  # fmt: skip
+        else:  # batch 1: the fastest at 64, with more column splits (more programs)
+            top = [r[2] for r in report["sweep"]["B64"]["configs"][:6]]
+            configs = [{**c, "block_v": bv} for c in top for bv in (128, 256)]
+        for c in configs:
+            try:
+                got = mla.latent_attention(q, ctx, blk, mask, 0.06, 512, c)
+                diff = (got.float() - ref).abs().max().item()
+                ms = replay_ms(lambda c=c: mla.latent_attention(q, ctx, blk, mask, 0.06, 512, c), 30)
+            except Exception as e:  # noqa: BLE001 - out of shared memory or registers: next
+                log(f"  B{B} {c}: {type(e).__name__}")
+                continue
+            rows.append((round(ms, 4), round(diff, 5), c))
+        rows.sort(key=lambda r: r[0])
+        report["sweep"][f"B{B}"] = {"torch_ms": round(torch_ms, 4), "configs": rows}
+        log(f"  B{B}: torch path {torch_ms:.4f} ms; fastest kernel configs:")
+        for r in rows[:8]:
+            log(f"    {r}")
+        (OUT / "mla.json").write_text(json.dumps(report, indent=1))
+    best = report["sweep"]["B64"]["configs"][0][2]
+    mla.CONFIG.update({k: v for k, v in best.items() if k != "block_v"})
+    tok = AutoTokenizer.from_pretrained(ROOT / "work" / "tok")
+    target, draft = shapes.random_models("llama-8b", "cuda", bf, 5, tok)
+    report["draft_fused"] = draft_fused_check(target, draft)
+    report["best_config"] = mla.CONFIG
+    (OUT / "mla.json").write_text(json.dumps(report, indent=1))
+
+
 def draft_matmul_check() -> dict:
     """The draft attention's pieces alone at batch 64, width 5, 96 heads (the published drafter),
     1,024 context positions: the score and value matmuls (bf16 in; fp32 or bf16 out) at 1,029 keys
@@ -1706,6 +1767,7 @@ def main() -> None:
         "stage",
         choices=[
             "stash",
+            "mla",
             "prepare",
             "train",
             "bench",
@@ -1827,6 +1889,7 @@ def main() -> None:
         "prefill": stage_prefill,
         "recipe": stage_recipe,
         "shape": stage_shape,
+        "mla": stage_mla,
     }[args.stage](args)
 
 

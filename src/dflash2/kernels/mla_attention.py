@@ -54,8 +54,19 @@ def kernel_shapes_ok(rank: int, rope: int) -> bool:
     return rank >= 16 and rope >= 16 and not rank & (rank - 1) and not rope & (rope - 1)
 
 
+# The launch: rows and keys a tile, output columns a program (None: half of them at a small batch,
+# a quarter at batch 1), warps, pipeline stages. Module-level so a sweep can set it (gpu.py mla).
+CONFIG: dict = {"block_m": 32, "block_n": 32, "block_v": None, "num_warps": 4, "num_stages": 2}
+
+
 def latent_attention(
-    q: torch.Tensor, ctx: torch.Tensor, blk: torch.Tensor, mask: torch.Tensor, scale: float, rank: int
+    q: torch.Tensor,
+    ctx: torch.Tensor,
+    blk: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    rank: int,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """As :func:`latent_attention_ref`, by the kernel: ``[B, M, rank]`` in ``q``'s dtype."""
     B, M, D = q.shape
@@ -65,10 +76,11 @@ def latent_attention(
         raise ValueError(f"latent attention kernel: rank {rank} and rope {rope} must be powers of two (rope >= 16)")
     out = torch.empty(B, M, rank, dtype=q.dtype, device=q.device)
     m8 = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    BLOCK_M, BLOCK_N = 32, 32
+    cfg = {**CONFIG, **(config or {})}
+    BLOCK_M, BLOCK_N = cfg["block_m"], cfg["block_n"]
     # a small batch spreads over more programs by splitting the output columns further (each split
     # recomputes the scores: cheap beside reading the keys at batch 1)
-    BLOCK_V = min(rank, 128 if B * triton.cdiv(M, BLOCK_M) < 264 else 256)
+    BLOCK_V = min(rank, cfg["block_v"] or (128 if B * triton.cdiv(M, BLOCK_M) < 264 else 256))
     grid = (B, triton.cdiv(M, BLOCK_M), rank // BLOCK_V)
     _latent_attention_kernel[grid](
         q, ctx, blk, m8, out,
@@ -76,6 +88,7 @@ def latent_attention(
         scale, M, Lc, Lq,
         RANK=rank, ROPE=rope, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
 
