@@ -1012,7 +1012,7 @@ def draft_fused_check(target, draft) -> dict:
 
     g = torch.Generator(device="cuda").manual_seed(0)
     out: dict = {}
-    bf = torch.bfloat16
+    bf, before = torch.bfloat16, attention.FUSED_ATTENTION
     q = torch.randn(64, 480, 576, device="cuda", generator=g).to(bf)
     ctx = torch.randn(64, 1024, 576, device="cuda", generator=g).to(bf)
     blk = torch.randn(64, 5, 576, device="cuda", generator=g).to(bf)
@@ -1048,7 +1048,7 @@ def draft_fused_check(target, draft) -> dict:
                    greedy_drafts_equal=round(same.float().mean().item(), 4))  # fmt: skip
         log(f"  draft block, fused attention B={B}: {row}")
         out[f"B{B}"] = row
-    attention.FUSED_ATTENTION = True
+    attention.FUSED_ATTENTION = before
     draft.compile_off()
     return out
 
@@ -1105,12 +1105,12 @@ def stage_mla(args) -> None:
         for r in rows[:8]:
             log(f"    {r}")
         (OUT / "mla.json").write_text(json.dumps(report, indent=1))
-    best = report["sweep"]["B64"]["configs"][0][2]
-    mla.CONFIG.update({k: v for k, v in best.items() if k != "block_v"})
+    mla.CONFIGS["large"] = report["sweep"]["B64"]["configs"][0][2]
+    mla.CONFIGS["small"] = report["sweep"]["B1"]["configs"][0][2]
     tok = AutoTokenizer.from_pretrained(ROOT / "work" / "tok")
     target, draft = shapes.random_models("llama-8b", "cuda", bf, 5, tok)
     report["draft_fused"] = draft_fused_check(target, draft)
-    report["best_config"] = mla.CONFIG
+    report["best_configs"] = mla.CONFIGS
     (OUT / "mla.json").write_text(json.dumps(report, indent=1))
 
 
@@ -1873,7 +1873,12 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=560, help="wall budget of the prepare stage")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--bench-seconds", type=float, default=150)
+    ap.add_argument("--fused-attention", action="store_true", help="the draft's attention by the fused kernel")
     args = ap.parse_args()
+    if args.fused_attention:  # (off by default: model/attention.py FUSED_ATTENTION)
+        from dflash2.model import attention
+
+        attention.FUSED_ATTENTION = True
     {
         "stash": stage_stash,
         "prepare": stage_prepare,

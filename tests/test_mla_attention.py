@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from dflash2.kernels.mla_attention import latent_attention, latent_attention_ref, use_kernel
+from dflash2.kernels.mla_attention import CONFIGS, latent_attention, latent_attention_ref, use_kernel
 from dflash2.model import DFlash2DraftModel, build_block_mask
 from dflash2.model import attention as attention_mod
 
@@ -25,14 +25,15 @@ def _mask(B: int, Lq: int, Lc: int, window: int, g: torch.Generator) -> torch.Te
 
 
 @needs_interpreter
+@pytest.mark.parametrize("config", ["small", "large"])
 @pytest.mark.parametrize("B,heads,Lq,Lc,rank,rope", [(2, 3, 5, 40, 32, 16), (1, 2, 4, 70, 64, 16)])
-def test_kernel_matches_reference(B, heads, Lq, Lc, rank, rope):
+def test_kernel_matches_reference(B, heads, Lq, Lc, rank, rope, config):
     g = torch.Generator().manual_seed(B * 100 + Lc)
     q = torch.randn(B, heads * Lq, rank + rope, generator=g)
     ctx = torch.randn(B, Lc, rank + rope, generator=g)
     blk = torch.randn(B, Lq, rank + rope, generator=g)
     mask = _mask(B, Lq, Lc, Lc - 7, g)
-    got = latent_attention(q, ctx, blk, mask, 0.3, rank)
+    got = latent_attention(q, ctx, blk, mask, 0.3, rank, CONFIGS[config])
     ref = latent_attention_ref(q, ctx, blk, mask, 0.3, rank)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     # the mask matters: seeing every key gives another answer

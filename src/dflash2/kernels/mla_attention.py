@@ -54,9 +54,20 @@ def kernel_shapes_ok(rank: int, rope: int) -> bool:
     return rank >= 16 and rope >= 16 and not rank & (rank - 1) and not rope & (rope - 1)
 
 
-# The launch: rows and keys a tile, output columns a program (None: half of them at a small batch,
-# a quarter at batch 1), warps, pipeline stages. Module-level so a sweep can set it (gpu.py mla).
-CONFIG: dict = {"block_m": 32, "block_n": 32, "block_v": None, "num_warps": 4, "num_stages": 2}
+# The launch, by load: rows and keys a tile, output columns a program, warps, pipeline stages. The
+# fastest of a sweep on the H200 (gpu.py mla, 54 launches that fit, docs/benchmarks.md, thirtieth
+# session): at batch 1, 0.097 ms against 0.165 for the torch path; at batch 64 0.65 against 0.69
+# (128-row tiles: the 480 query rows of a batch row share every key). "large" needs one pipeline
+# stage: with two it ran out of shared memory. Module-level so a sweep can set them.
+CONFIGS: dict[str, dict] = {
+    "small": {"block_m": 32, "block_n": 64, "block_v": 128, "num_warps": 8, "num_stages": 2},
+    "large": {"block_m": 128, "block_n": 64, "block_v": 256, "num_warps": 8, "num_stages": 1},
+}
+
+
+def launch_config(B: int, M: int) -> dict:
+    """``small`` while 32-row tiles give fewer than two programs per SM of an H200, else ``large``."""
+    return CONFIGS["small" if B * -(-M // 32) < 264 else "large"]
 
 
 def latent_attention(
@@ -76,11 +87,11 @@ def latent_attention(
         raise ValueError(f"latent attention kernel: rank {rank} and rope {rope} must be powers of two (rope >= 16)")
     out = torch.empty(B, M, rank, dtype=q.dtype, device=q.device)
     m8 = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    cfg = {**CONFIG, **(config or {})}
+    cfg = {**launch_config(B, M), **(config or {})}
     BLOCK_M, BLOCK_N = cfg["block_m"], cfg["block_n"]
-    # a small batch spreads over more programs by splitting the output columns further (each split
-    # recomputes the scores: cheap beside reading the keys at batch 1)
-    BLOCK_V = min(rank, cfg["block_v"] or (128 if B * triton.cdiv(M, BLOCK_M) < 264 else 256))
+    # each program a slice of the output columns (each slice recomputes the scores: cheap beside
+    # reading the keys, and more programs at a small batch)
+    BLOCK_V = min(rank, cfg["block_v"])
     grid = (B, triton.cdiv(M, BLOCK_M), rank // BLOCK_V)
     _latent_attention_kernel[grid](
         q, ctx, blk, m8, out,

@@ -57,9 +57,12 @@ def build_block_mask(
 TENSOR_CORE_SCORES = True
 
 
-# On CUDA in half precision, without grad (serving: the kernel has no backward), the attention is
-# the fused kernel (kernels/mla_attention.py); module-level so a benchmark can time both forms.
-FUSED_ATTENTION = True
+# On CUDA in half precision, without grad (serving: the kernel has no backward), the attention can be
+# the fused kernel (kernels/mla_attention.py). Off by default: on the H200 it matched the torch path
+# at batch 64 (0.65 against 0.69 ms a layer) and beat it at batch 1 (0.10 against 0.17), but inside
+# the engine's graphs it is not measured yet (its first launch made the 8B shape's c=64 engine row
+# 1.28x -> 1.18x; docs/benchmarks.md, thirtieth session). Module-level so a benchmark can set it.
+FUSED_ATTENTION = False
 
 
 def fused_applies(q: torch.Tensor, rank: int) -> bool:
