@@ -963,40 +963,47 @@ def draft_compile_check(target, draft) -> dict:
     return out
 
 
-def draft_precision_check(target, draft) -> dict:
-    """The draft block (layers compiled, as served) with its attention matmuls on tensor cores (bf16
-    in, fp32 out) against both operands cast to fp32 (the plain torch reference), on the same random
-    latents: time of each, hidden-state difference, and how often the greedy drafts agree."""
+def draft_block_ab(target, draft, flag: str, names: tuple[str, str]) -> dict:
+    """The draft block (layers compiled, as served) with ``model/attention.py``'s ``flag`` off
+    (``names[0]``) and on (``names[1]``), alternating twice each (order effects), on the same random
+    latents at batch 1, 8 and 64: time of each, hidden-state difference, and how often the greedy
+    drafts agree."""
     import torch
     from dflash2.engine.graph_runner import paged_block_hidden
     from dflash2.engine.steps import greedy_walk
     from dflash2.model import attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    out = {}
+    out, before = {}, getattr(attention, flag)
     draft.compile_layers()
     for B in (1, 8, 64):
         a = random_block_inputs(target, draft, B, g)
         anchors = a[4]
         row, hidden = {}, {}
         with torch.no_grad():
-            for mode in ("fp32", "tensor_cores", "fp32", "tensor_cores"):  # twice each, alternating: order effects
-                attention.TENSOR_CORE_SCORES = mode == "tensor_cores"
+            for mode in names + names:
+                setattr(attention, flag, mode == names[1])
                 hidden[mode] = paged_block_hidden(draft, *a)
                 ms = round(replay_ms(lambda: paged_block_hidden(draft, *a), 50), 3)
                 row.setdefault(f"{mode}_ms", []).append(ms)
             hw = target.lm_head_weight
-            same = greedy_walk(draft, hidden["fp32"], anchors, hw) == greedy_walk(
-                draft, hidden["tensor_cores"], anchors, hw
+            same = greedy_walk(draft, hidden[names[0]], anchors, hw) == greedy_walk(
+                draft, hidden[names[1]], anchors, hw
             )
-        h_r, h_t = hidden["fp32"].float(), hidden["tensor_cores"].float()
+        h_r, h_t = hidden[names[0]].float(), hidden[names[1]].float()
         row.update(max_abs_diff=round((h_t - h_r).abs().max().item(), 5), max_abs=round(h_r.abs().max().item(), 3),
                    greedy_drafts_equal=round(same.float().mean().item(), 4))  # fmt: skip
-        log(f"  draft attention precision B={B}: {row}")
+        log(f"  draft block, {flag} B={B}: {row}")
         out[f"B{B}"] = row
-    attention.TENSOR_CORE_SCORES = True
+    setattr(attention, flag, before)
     draft.compile_off()
     return out
+
+
+def draft_precision_check(target, draft) -> dict:
+    """The draft's attention matmuls on tensor cores (bf16 in, fp32 out) against both operands cast
+    to fp32 (the plain torch reference): :func:`draft_block_ab`."""
+    return draft_block_ab(target, draft, "TENSOR_CORE_SCORES", ("fp32", "tensor_cores"))
 
 
 def draft_fused_check(target, draft) -> dict:
@@ -1005,51 +1012,30 @@ def draft_fused_check(target, draft) -> dict:
     the draft block (layers compiled, as served) both ways, alternating, on the same random latents:
     time, hidden-state difference, and how often the greedy drafts agree."""
     import torch
-    from dflash2.engine.graph_runner import paged_block_hidden
-    from dflash2.engine.steps import greedy_walk
     from dflash2.kernels.mla_attention import latent_attention, latent_attention_ref
-    from dflash2.model import attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     out: dict = {}
-    bf, before = torch.bfloat16, attention.FUSED_ATTENTION
+    bf = torch.bfloat16
     q = torch.randn(64, 480, 576, device="cuda", generator=g).to(bf)
     ctx = torch.randn(64, 1024, 576, device="cuda", generator=g).to(bf)
     blk = torch.randn(64, 5, 576, device="cuda", generator=g).to(bf)
     mask = torch.rand(64, 5, 1029, device="cuda", generator=g) < 0.7
     mask[..., 1024:] = True
-    ref = latent_attention_ref(q, ctx, blk, mask, 0.06, 512)
-    got = latent_attention(q, ctx, blk, mask, 0.06, 512)
-    attn = draft.layers[0].self_attn
+    attn = draft.layers[0].self_attn  # (the torch path's scale is the drafter's own)
+    ref = latent_attention_ref(q, ctx, blk, mask, attn.scale, 512)
+    got = latent_attention(q, ctx, blk, mask, attn.scale, 512)
     with torch.no_grad():
         torch_path = attn._attend(q, ctx, blk, mask)
     out["kernel_alone_B64"] = {
-        "kernel_ms": round(replay_ms(lambda: latent_attention(q, ctx, blk, mask, 0.06, 512), 50), 4),
+        "kernel_ms": round(replay_ms(lambda: latent_attention(q, ctx, blk, mask, attn.scale, 512), 50), 4),
         "torch_ms": round(replay_ms(lambda: attn._attend(q, ctx, blk, mask), 50), 4),
         "kernel_max_abs_diff": round((got.float() - ref).abs().max().item(), 5),
         "torch_max_abs_diff": round((torch_path.float() - ref).abs().max().item(), 5),
         "max_abs": round(ref.abs().max().item(), 3),
     }
     log(f"  latent attention alone: {out['kernel_alone_B64']}")
-    draft.compile_layers()
-    for B in (1, 8, 64):
-        a = random_block_inputs(target, draft, B, g)
-        anchors = a[4]
-        row, hidden = {}, {}
-        with torch.no_grad():
-            for mode in ("torch", "fused", "torch", "fused"):  # twice each, alternating: order effects
-                attention.FUSED_ATTENTION = mode == "fused"
-                hidden[mode] = paged_block_hidden(draft, *a)
-                row.setdefault(f"{mode}_ms", []).append(round(replay_ms(lambda: paged_block_hidden(draft, *a), 50), 3))
-            hw = target.lm_head_weight
-            same = greedy_walk(draft, hidden["torch"], anchors, hw) == greedy_walk(draft, hidden["fused"], anchors, hw)
-        h_r, h_f = hidden["torch"].float(), hidden["fused"].float()
-        row.update(max_abs_diff=round((h_f - h_r).abs().max().item(), 5), max_abs=round(h_r.abs().max().item(), 3),
-                   greedy_drafts_equal=round(same.float().mean().item(), 4))  # fmt: skip
-        log(f"  draft block, fused attention B={B}: {row}")
-        out[f"B{B}"] = row
-    attention.FUSED_ATTENTION = before
-    draft.compile_off()
+    out.update(draft_block_ab(target, draft, "FUSED_ATTENTION", ("torch", "fused")))
     return out
 
 

@@ -258,6 +258,7 @@ class Planner:
     _pending: tuple[list[str], list[int], int] | None = None  # a step observed, its counts not folded yet
     _fit: tuple[float, float] | None = None  # eager: (fixed, per token) seconds, see _token_cost
     _fit_sig: tuple[int, float] = (-1, 0.0)  # the costs it was fitted on
+    _every_width: tuple[tuple[int, ...] | None, bool] = (None, False)  # (widths, _any_width's answer for them)
 
     def __post_init__(self):
         self.counts = AcceptanceCounts(
@@ -329,11 +330,12 @@ class Planner:
         steps run by then (it ran at ``steps``) and ``probed`` the step of the last drafting probe."""
         W, cfg = self.width, self.cfg
         cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {1, W})}
-        if cost[W] is None:  # cold start: full blocks (and their cost and acceptance are learned) ...
-            # ... or, where every width can run (eager), width 2 and then 1. Why: on the CPU at T=1 (held-out chat, 16
-            # requests) the cold start's full-width steps cost 3-6x a one-token step each, ~2.5 s of
-            # a 63 s run that ended at 0.96x of the target alone (docs/benchmarks.md, twenty-ninth session)
-            # (once each: from then on every shape is priced by its tokens, :meth:`_token_cost`)
+        if cost[W] is None:
+            # cold start: full blocks, which learn their cost and acceptance; where every width can run
+            # (eager), width 2 once and then width 1 once, after which every shape is priced by its tokens
+            # (:meth:`_token_cost`). Why: on the CPU at T=1 (held-out chat, 16 requests) full-width cold
+            # starts cost 3-6x a one-token step each, ~2.5 s of a 63 s run that ended at 0.96x of the
+            # target alone (docs/benchmarks.md, twenty-ninth session)
             if not self._any_width():
                 return W
             return 2 if self._never_ran(2) else 1
@@ -532,8 +534,12 @@ class Planner:
         return not any(w == width for _, w in self.costs)
 
     def _any_width(self) -> bool:
-        """Whether a step can run every width up to the full one (the eager runner)."""
-        return self.width > 2 and set(range(1, self.width + 1)) <= set(self.widths)
+        """Whether a step can run every width up to the full one (the eager runner); derived again
+        only when ``widths`` changes (the engine sets it once), not at every :meth:`cost`."""
+        if self._every_width[0] != self.widths:
+            every = self.width > 2 and set(range(1, self.width + 1)) <= set(self.widths)
+            self._every_width = (self.widths, every)
+        return self._every_width[1]
 
     def _token_cost(self, tokens: int) -> float | None:
         """Eager: seconds of a drafting step of ``tokens`` rows x width, a fixed part plus a part per
