@@ -1860,11 +1860,22 @@ def main() -> None:
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--bench-seconds", type=float, default=150)
     ap.add_argument("--fused-attention", action="store_true", help="the draft's attention by the fused kernel")
+    ap.add_argument("--prefill-rows", default=None, help="graph_runner.PREFILL_ROWS for this call, e.g. 1,2,4,8,16")
+    ap.add_argument("--prefill-buckets", default=None, help="graph_runner.PREFILL_BUCKETS for this call")
     args = ap.parse_args()
     if args.fused_attention:  # (off by default: model/attention.py FUSED_ATTENTION)
         from dflash2.model import attention
 
         attention.FUSED_ATTENTION = True
+    # the prefill graphs' (rows, length) buckets, for an A/B: trickled admissions of 1-3 requests padded
+    # to 4 rows or to a doubled length did up to 2-3x the compute of their tokens at the 8B shape
+    if args.prefill_rows or args.prefill_buckets:
+        from dflash2.engine import graph_runner
+
+        if args.prefill_rows:
+            graph_runner.PREFILL_ROWS = tuple(int(r) for r in args.prefill_rows.split(","))
+        if args.prefill_buckets:
+            graph_runner.PREFILL_BUCKETS = tuple(int(b) for b in args.prefill_buckets.split(","))
     {
         "stash": stage_stash,
         "prepare": stage_prepare,
