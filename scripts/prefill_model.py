@@ -62,6 +62,9 @@ def main() -> None:
         print(
             f"{name:>13} ({rate} a step): now {now:.2f}, rows 1,2,4,8,16 {rows:.2f}, and lengths 96,160,192 {both:.2f}"
         )
+        # admissions held k steps and prefilled together, finer buckets (the slots idle meanwhile: not counted)
+        held = ", ".join(f"{k} steps {per_request(*finer, rate * k):.2f}" for k in (2, 3))
+        print(f"{'':>13} and admissions held: {held}")
 
 
 if __name__ == "__main__":
