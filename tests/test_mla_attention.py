@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from dflash2.kernels.mla_attention import CONFIGS, latent_attention, latent_attention_ref, use_kernel
+from dflash2.kernels.mla_attention import CONFIGS, gather_rows, latent_attention, latent_attention_ref, use_kernel
 from dflash2.model import DFlash2DraftModel, build_block_mask
 from dflash2.model import attention as attention_mod
 
@@ -57,3 +57,46 @@ def test_draft_attention_through_the_kernel(monkeypatch):
         monkeypatch.setattr(attention_mod, "fused_applies", lambda q, rank: True)
         got = attn(h, q_pos, lat, mask)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("config", ["small", "large"])
+def test_kernel_reads_paged_rows_in_place(config):
+    """With ``ctx_idx`` the kernel reads context rows of a pool through the index: as the gathered copy."""
+    g = torch.Generator().manual_seed(7)
+    B, heads, Lq, Lc, rank, rope = 2, 3, 5, 37, 32, 16
+    pool = torch.randn(100, rank + rope, generator=g)
+    idx = torch.randperm(100, generator=g)[: B * Lc].view(B, Lc)
+    q = torch.randn(B, heads * Lq, rank + rope, generator=g)
+    blk = torch.randn(B, Lq, rank + rope, generator=g)
+    mask = _mask(B, Lq, Lc, Lc - 5, g)
+    got = latent_attention(q, pool, blk, mask, 0.3, rank, CONFIGS[config], ctx_idx=idx)
+    ref = latent_attention_ref(q, gather_rows(pool, idx), blk, mask, 0.3, rank)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_interpreter
+def test_draft_block_over_paged_context(monkeypatch):
+    """The draft's attention over ``(pool, rows)``: the torch path (gathering) and the kernel (in place)
+    both equal the attention over the gathered latents; ``paged_context`` hands pairs only to the kernel."""
+    cfg = tiny_config(kv_lora_rank=32, qk_rope_head_dim=16, sliding_window=24)
+    model = DFlash2DraftModel(cfg).init_weights(std=0.2)
+    attn = model.layers[0].self_attn
+    g = torch.Generator().manual_seed(1)
+    B, Lq, Lc = 2, 5, 30
+    h = torch.randn(B, Lq, cfg.hidden_size, generator=g)
+    pool = torch.randn(cfg.num_hidden_layers, 80, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=g)
+    rows = torch.randperm(80, generator=g)[: B * Lc].view(B, Lc)
+    mask = _mask(B, Lq, Lc, cfg.sliding_window, g)
+    q_pos = torch.arange(Lc, Lc + Lq).expand(B, Lq)
+    with torch.no_grad():
+        gathered = attention_mod.paged_context(pool, rows, cfg)  # the CPU: gathered [layers, B, Lc, D]
+        assert torch.is_tensor(gathered) and torch.equal(gathered[0], gather_rows(pool[0], rows))
+        ref = attn(h, q_pos, gathered[0], mask)
+        torch_paged = attn(h, q_pos, (pool[0], rows), mask)
+        monkeypatch.setattr(attention_mod, "fused_applies", lambda q, rank: True)
+        pairs = attention_mod.paged_context(pool, rows, cfg)
+        assert isinstance(pairs, list) and len(pairs) == cfg.num_hidden_layers
+        fused = attn(h, q_pos, pairs[0], mask)
+    torch.testing.assert_close(torch_paged, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)

@@ -26,6 +26,7 @@ from functools import partial
 import torch
 
 from ..kernels.live_attention import use_triton
+from ..model.attention import paged_context
 from ..model.context_cache import block_hidden
 from ..target import TargetModel
 from ..target.static_llama import StaticTarget, unsupported_reason
@@ -111,9 +112,9 @@ def paged_block_hidden(draft, embed, lat, tables, page: int, anchors, apos, ctx_
     ctx_pos = apos[:, None] - ctx_offsets.shape[1] + ctx_offsets  # [B, W]; negative before the prompt
     pages, off = page_of(tables, ctx_pos.clamp(min=0), page)
     # one index over the flattened pages: indexing with two tensors took 1.0 ms at batch 64 on the
-    # H200, 5x the bytes it moved (docs/benchmarks.md, twenty-ninth session)
-    rows = lat.flatten(1, 2).index_select(1, (pages * page + off).flatten())
-    ctx = rows.view(lat.shape[0], *ctx_pos.shape, lat.shape[-1])  # [layers, B, W, latent]
+    # H200, 5x the bytes it moved (docs/benchmarks.md, twenty-ninth session); the fused attention
+    # kernel reads the rows in place
+    ctx = paged_context(lat.flatten(1, 2), pages * page + off, draft.config)
     return block_hidden(draft, embed, anchors, apos, ctx, ctx_pos, ctx_pos >= 0, width)
 
 

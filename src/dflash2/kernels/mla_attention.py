@@ -30,6 +30,11 @@ except ImportError:  # pragma: no cover - the CI installs it
     triton = None
 
 
+def gather_rows(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Paged context latents as one tensor: rows ``idx [B, Lc]`` of ``pool [N, D]`` -> ``[B, Lc, D]``."""
+    return pool.index_select(0, idx.flatten()).view(*idx.shape, pool.shape[-1])
+
+
 def latent_attention_ref(
     q: torch.Tensor, ctx: torch.Tensor, blk: torch.Tensor, mask: torch.Tensor, scale: float, rank: int
 ) -> torch.Tensor:
@@ -78,10 +83,13 @@ def latent_attention(
     scale: float,
     rank: int,
     config: dict | None = None,
+    ctx_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """As :func:`latent_attention_ref`, by the kernel: ``[B, M, rank]`` in ``q``'s dtype."""
+    """As :func:`latent_attention_ref`, by the kernel: ``[B, M, rank]`` in ``q``'s dtype. With
+    ``ctx_idx [B, Lc]``, ``ctx`` is a pool of rows ``[N, D]`` and context key ``j`` of row ``b`` is
+    ``ctx[ctx_idx[b, j]]`` (:func:`gather_rows`), read in place: no gathered copy."""
     B, M, D = q.shape
-    Lc, Lq = ctx.shape[1], blk.shape[1]
+    Lc, Lq = (ctx.shape[1] if ctx_idx is None else ctx_idx.shape[1]), blk.shape[1]
     rope = D - rank
     if not kernel_shapes_ok(rank, rope):
         raise ValueError(f"latent attention kernel: rank {rank} and rope {rope} must be powers of two (rope >= 16)")
@@ -93,11 +101,15 @@ def latent_attention(
     # reading the keys, and more programs at a small batch)
     BLOCK_V = min(rank, cfg["block_v"])
     grid = (B, triton.cdiv(M, BLOCK_M), rank // BLOCK_V)
+    if ctx_idx is None:  # a [B, Lc, D] tensor: row b's key j at b * stride(0) + j * stride(1)
+        idx, s_idx, (sc_b, sc_n, sc_d) = ctx, (0, 0), ctx.stride()
+    else:  # a pool: key j of row b at ctx_idx[b, j] * stride(0)
+        idx, s_idx, (sc_b, sc_n, sc_d) = ctx_idx, ctx_idx.stride(), (0, ctx.stride(0), ctx.stride(1))
     _latent_attention_kernel[grid](
-        q, ctx, blk, m8, out,
-        *q.stride(), *ctx.stride(), *blk.stride(), *m8.stride(), *out.stride(),
+        q, ctx, idx, blk, m8, out,
+        *q.stride(), sc_b, sc_n, sc_d, *s_idx, *blk.stride(), *m8.stride(), *out.stride(),
         scale, M, Lc, Lq,
-        RANK=rank, ROPE=rope, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V,
+        PAGED=ctx_idx is not None, RANK=rank, ROPE=rope, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
@@ -108,16 +120,21 @@ if triton is not None:
 
     @triton.jit
     def _keys_tile(
-        acc, m_i, l_i, q_c, q_r, KEYS, MASK, b, n0, n_end, mask_off, l, row_ok, sk_b, sk_n, sk_d,
-        sm_b, sm_l, sm_k, scale, v0,
-        RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-        PRECISION: tl.constexpr,
+        acc, m_i, l_i, q_c, q_r, KEYS, IDX, MASK, b, n0, n_end, mask_off, l, row_ok, sk_b, sk_n, sk_d,
+        si_b, si_n, sm_b, sm_l, sm_k, scale, v0,
+        PAGED: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         """One tile of ``BLOCK_N`` keys ``n0 ..`` (below ``n_end``) of ``KEYS`` folded into the
-        online softmax; ``mask_off``: the tile's first column in ``MASK``."""
+        online softmax; ``mask_off``: the tile's first column in ``MASK``. ``PAGED``: key ``j`` is
+        row ``IDX[b, j]`` of ``KEYS``."""
         kn = n0 + tl.arange(0, BLOCK_N)
         k_ok = kn < n_end
-        base = KEYS + b * sk_b + kn[:, None] * sk_n
+        if PAGED:
+            rows = tl.load(IDX + b * si_b + kn * si_n, mask=k_ok, other=0).to(tl.int64)
+            base = KEYS + rows[:, None] * sk_n
+        else:
+            base = KEYS + b * sk_b + kn[:, None] * sk_n
         dc = tl.arange(0, RANK)
         dr = tl.arange(0, ROPE)
         k_c = tl.load(base + dc[None, :] * sk_d, mask=k_ok[:, None], other=0.0)
@@ -141,11 +158,11 @@ if triton is not None:
 
     @triton.jit
     def _latent_attention_kernel(
-        Q, CTX, BLK, MASK, OUT,
-        sq_b, sq_m, sq_d, sc_b, sc_n, sc_d, sb_b, sb_n, sb_d, sm_b, sm_l, sm_k, so_b, so_m, so_d,
+        Q, CTX, IDX, BLK, MASK, OUT,
+        sq_b, sq_m, sq_d, sc_b, sc_n, sc_d, si_b, si_n, sb_b, sb_n, sb_d, sm_b, sm_l, sm_k, so_b, so_m, so_d,
         scale, M, Lc, Lq,
-        RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
+        PAGED: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         b, mb, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -160,13 +177,13 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
         for n in range(0, Lc, BLOCK_N):  # the context window, then the block's own rows
             acc, m_i, l_i = _keys_tile(
-                acc, m_i, l_i, q_c, q_r, CTX, MASK, b, n, Lc, n, l, row_ok, sc_b, sc_n, sc_d,
-                sm_b, sm_l, sm_k, scale, v0, RANK, ROPE, BLOCK_N, BLOCK_V, PRECISION,
+                acc, m_i, l_i, q_c, q_r, CTX, IDX, MASK, b, n, Lc, n, l, row_ok, sc_b, sc_n, sc_d, si_b, si_n,
+                sm_b, sm_l, sm_k, scale, v0, PAGED, RANK, ROPE, BLOCK_N, BLOCK_V, PRECISION,
             )  # fmt: skip
         for n in range(0, Lq, BLOCK_N):
             acc, m_i, l_i = _keys_tile(
-                acc, m_i, l_i, q_c, q_r, BLK, MASK, b, n, Lq, Lc + n, l, row_ok, sb_b, sb_n, sb_d,
-                sm_b, sm_l, sm_k, scale, v0, RANK, ROPE, BLOCK_N, BLOCK_V, PRECISION,
+                acc, m_i, l_i, q_c, q_r, BLK, IDX, MASK, b, n, Lq, Lc + n, l, row_ok, sb_b, sb_n, sb_d, 0, 0,
+                sm_b, sm_l, sm_k, scale, v0, False, RANK, ROPE, BLOCK_N, BLOCK_V, PRECISION,
             )  # fmt: skip
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         dv = v0 + tl.arange(0, BLOCK_V)
@@ -176,13 +193,19 @@ if triton is not None:
 
 @torch.library.custom_op("dflash2::latent_attention", mutates_args=())
 def latent_attention_op(
-    q: torch.Tensor, ctx: torch.Tensor, blk: torch.Tensor, mask: torch.Tensor, scale: float, rank: int
+    q: torch.Tensor,
+    ctx: torch.Tensor,
+    blk: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    rank: int,
+    ctx_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`latent_attention` as an operator that ``torch.compile`` keeps whole (the draft's layers
     are compiled with ``fullgraph=True``)."""
-    return latent_attention(q, ctx, blk, mask, scale, rank)
+    return latent_attention(q, ctx, blk, mask, scale, rank, ctx_idx=ctx_idx)
 
 
 @latent_attention_op.register_fake
-def _(q, ctx, blk, mask, scale, rank):
+def _(q, ctx, blk, mask, scale, rank, ctx_idx=None):
     return q.new_empty(q.shape[0], q.shape[1], rank)

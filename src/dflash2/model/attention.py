@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DFlash2Config
-from ..kernels.mla_attention import kernel_shapes_ok, latent_attention_op
+from ..kernels.mla_attention import gather_rows, kernel_shapes_ok, latent_attention_op
 from .rope import RotaryEmbedding, apply_interleaved_rope
 
 
@@ -76,6 +76,16 @@ def fused_applies(q: torch.Tensor, rank: int) -> bool:
     )
 
 
+def paged_context(pool: torch.Tensor, rows: torch.Tensor, cfg: DFlash2Config) -> list:
+    """Each draft layer's context latents from ``pool [layers, N, D]`` at ``rows [B, Lc]``: as
+    ``(pool[i], rows)`` pairs where the fused kernel will read them in place (no gathered copy: 0.57 ms
+    of a 6.3 ms batch-64 draft block at the 8B shape on the H200, docs/benchmarks.md, thirtieth
+    session), else gathered, ``[layers, B, Lc, D]``."""
+    if fused_applies(pool, cfg.kv_lora_rank) and pool.shape[-1] == cfg.kv_lora_rank + cfg.qk_rope_head_dim:
+        return [(pool[i], rows) for i in range(pool.shape[0])]
+    return pool.index_select(1, rows.flatten()).view(pool.shape[0], *rows.shape, pool.shape[-1])
+
+
 def _tensor_cores(x: torch.Tensor) -> bool:
     return TENSOR_CORE_SCORES and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
@@ -112,8 +122,14 @@ class MLAttention(nn.Module):
         return torch.cat([self.kv_a_layernorm(c), apply_interleaved_rope(k_pe, cos, sin)], dim=-1)
 
     def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, ctx_latent: torch.Tensor, mask: torch.Tensor
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_latent: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
     ) -> torch.Tensor:
+        """``ctx_latent``: the context's latents ``[B, Lc, D]``, or ``(pool [N, D], rows [B, Lc])``
+        (:func:`paged_context`): the fused kernel reads those rows in place, the torch path gathers them."""
         cfg = self.cfg
         B, Lq, _ = h.shape
         n = cfg.num_attention_heads
@@ -121,7 +137,7 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
         cos, sin = self.rotary.cos_sin(positions, q.dtype)
         q_pe = apply_interleaved_rope(q_pe, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        ctx, blk = ctx_latent.to(h.dtype), self.latent(h, positions)  # context keys first, then the block's
+        blk = self.latent(h, positions)  # the block's own keys, after the context's
         # Absorbed MLA: fold kv_b's key half into the queries and its value half into the output, so
         # attention runs over the latent (kv_lora + rope values per token, shared by all heads)
         # instead of expanding every context row to n heads each step. Same function as
@@ -130,10 +146,13 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w_kv[:, : cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim :]
         q_lat = torch.einsum("blhd,hdc->bhlc", q_nope, w_uk)
         q = torch.cat([q_lat, q_pe.transpose(1, 2)], -1).reshape(B, n * Lq, -1)  # rows [heads, Lq]
-        if fused_applies(q, cfg.kv_lora_rank):
-            out_lat = latent_attention_op(q, ctx, blk, mask, self.scale, cfg.kv_lora_rank)
+        paged = isinstance(ctx_latent, tuple)  # (pool [N, D], rows [B, Lc]): read in place by the kernel
+        if fused_applies(q, cfg.kv_lora_rank) and (not paged or ctx_latent[0].dtype == q.dtype):
+            ctx, idx = ctx_latent if paged else (ctx_latent.to(h.dtype), None)
+            out_lat = latent_attention_op(q, ctx, blk, mask, self.scale, cfg.kv_lora_rank, idx)
         else:
-            out_lat = self._attend(q, ctx, blk, mask)
+            ctx = gather_rows(*ctx_latent) if paged else ctx_latent
+            out_lat = self._attend(q, ctx.to(h.dtype), blk, mask)
         out_lat = out_lat.view(B, n, Lq, cfg.kv_lora_rank).to(h.dtype)
         out = torch.einsum("bhlc,hvc->blhv", out_lat, w_uv)
         return self.o_proj(out.reshape(B, Lq, n * cfg.v_head_dim))

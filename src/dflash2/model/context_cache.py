@@ -145,7 +145,7 @@ def block_hidden(
     embed: torch.nn.Module,
     anchors: torch.Tensor,
     anchor_pos: torch.Tensor,
-    ctx_latents: torch.Tensor,
+    ctx_latents: torch.Tensor | list,
     ctx_pos: torch.Tensor,
     ctx_valid: torch.Tensor,
     width: int,

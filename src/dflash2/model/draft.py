@@ -111,12 +111,13 @@ class DFlash2DraftModel(nn.Module):
         self,
         block_embeds: torch.Tensor,
         positions: torch.Tensor,
-        ctx_latents: torch.Tensor,
+        ctx_latents: torch.Tensor | list,
         mask: torch.Tensor,
         width: int,
     ) -> torch.Tensor:
         """Block rows ``[B, N*width, H]`` (N blocks of ``[anchor, MASK...]`` embeddings) -> final-normed
-        hidden states. ``ctx_latents [num_layers, B, Tc, D]``; ``mask [B, N*width, Tc + N*width]``."""
+        hidden states. ``ctx_latents [num_layers, B, Tc, D]`` (or a list of each layer's
+        ``(pool, rows)``: :func:`~dflash2.model.attention.paged_context`); ``mask [B, N*width, Tc + N*width]``."""
         x = block_embeds.to(self.fc.weight.dtype)
         # compiled for inference only: a model that served from the graph runner still trains eagerly
         fn = self._layer_fn if self._layer_fn is not None and not torch.is_grad_enabled() else DraftLayer.__call__
