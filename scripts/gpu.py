@@ -1006,33 +1006,41 @@ def draft_precision_check(target, draft) -> dict:
     return draft_block_ab(target, draft, "TENSOR_CORE_SCORES", ("fp32", "tensor_cores"))
 
 
+def latent_attention_inputs(B: int, g) -> tuple:
+    """Random bf16 ``(q, ctx, blk, mask)`` of the draft attention at the published drafter's width: 96
+    heads x 5 block rows, 1,024 context latents of 512 + 64, 70% of context keys visible, every block key."""
+    import torch
+
+    bf = torch.bfloat16
+    q = torch.randn(B, 480, 576, device="cuda", generator=g).to(bf)
+    ctx = torch.randn(B, 1024, 576, device="cuda", generator=g).to(bf)
+    blk = torch.randn(B, 5, 576, device="cuda", generator=g).to(bf)
+    mask = torch.rand(B, 5, 1029, device="cuda", generator=g) < 0.7
+    mask[..., 1024:] = True
+    return q, ctx, blk, mask
+
+
 def draft_fused_check(target, draft) -> dict:
     """The fused latent-attention kernel (kernels/mla_attention.py) against the torch path it replaces:
-    alone at batch 64 (96 heads x 5 rows, 1,024 context latents, against the float32 reference), then
-    the draft block (layers compiled, as served) both ways, alternating, on the same random latents:
-    time, hidden-state difference, and how often the greedy drafts agree."""
+    alone at batch 64 (:func:`latent_attention_inputs`, against the float32 reference), then the draft
+    block both ways (:func:`draft_block_ab`)."""
     import torch
     from dflash2.kernels.mla_attention import latent_attention, latent_attention_ref
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    out: dict = {}
-    bf = torch.bfloat16
-    q = torch.randn(64, 480, 576, device="cuda", generator=g).to(bf)
-    ctx = torch.randn(64, 1024, 576, device="cuda", generator=g).to(bf)
-    blk = torch.randn(64, 5, 576, device="cuda", generator=g).to(bf)
-    mask = torch.rand(64, 5, 1029, device="cuda", generator=g) < 0.7
-    mask[..., 1024:] = True
     attn = draft.layers[0].self_attn  # (the torch path's scale is the drafter's own)
+    q, ctx, blk, mask = latent_attention_inputs(64, torch.Generator(device="cuda").manual_seed(0))
     ref = latent_attention_ref(q, ctx, blk, mask, attn.scale, 512)
     got = latent_attention(q, ctx, blk, mask, attn.scale, 512)
     with torch.no_grad():
         torch_path = attn._attend(q, ctx, blk, mask)
-    out["kernel_alone_B64"] = {
-        "kernel_ms": round(replay_ms(lambda: latent_attention(q, ctx, blk, mask, attn.scale, 512), 50), 4),
-        "torch_ms": round(replay_ms(lambda: attn._attend(q, ctx, blk, mask), 50), 4),
-        "kernel_max_abs_diff": round((got.float() - ref).abs().max().item(), 5),
-        "torch_max_abs_diff": round((torch_path.float() - ref).abs().max().item(), 5),
-        "max_abs": round(ref.abs().max().item(), 3),
+    out: dict = {
+        "kernel_alone_B64": {
+            "kernel_ms": round(replay_ms(lambda: latent_attention(q, ctx, blk, mask, attn.scale, 512), 50), 4),
+            "torch_ms": round(replay_ms(lambda: attn._attend(q, ctx, blk, mask), 50), 4),
+            "kernel_max_abs_diff": round((got.float() - ref).abs().max().item(), 5),
+            "torch_max_abs_diff": round((torch_path.float() - ref).abs().max().item(), 5),
+            "max_abs": round(ref.abs().max().item(), 3),
+        }
     }
     log(f"  latent attention alone: {out['kernel_alone_B64']}")
     out.update(draft_block_ab(target, draft, "FUSED_ATTENTION", ("torch", "fused")))
@@ -1040,10 +1048,10 @@ def draft_fused_check(target, draft) -> dict:
 
 
 def stage_mla(args) -> None:
-    """The fused latent attention's launch configurations (kernels/mla_attention.py CONFIG) at batch 64
-    and 1 (96 heads x 5 rows, 1,024 context latents, bf16), each checked against the float32 reference
-    and timed beside the torch path (matmuls + softmax); then, with the fastest, the draft block of a
-    random 8B-shape drafter both ways (--draft-fused's check)."""
+    """The fused latent attention's launches (kernels/mla_attention.py ``CONFIGS``) at batch 64 and 1
+    (:func:`latent_attention_inputs`), each checked against the float32 reference and timed beside the
+    torch path (matmuls + softmax) of a random 8B-shape drafter's attention; then, with the fastest, that
+    drafter's block both ways (:func:`draft_fused_check`)."""
     import itertools
 
     import torch
@@ -1051,24 +1059,19 @@ def stage_mla(args) -> None:
 
     from dflash2.benchmark import shapes
     from dflash2.kernels import mla_attention as mla
-    from dflash2.model import attention
 
     OUT.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(ROOT / "work" / "tok")
+    target, draft = shapes.random_models("llama-8b", "cuda", torch.bfloat16, 5, tok)
+    attn = draft.layers[0].self_attn
     g = torch.Generator(device="cuda").manual_seed(0)
-    bf, report = torch.bfloat16, {"env": env_report(), "sweep": {}}
+    report: dict = {"env": env_report(), "sweep": {}}
+    chosen = dict(mla.CONFIGS)
     for B in (64, 1):
-        q = torch.randn(B, 480, 576, device="cuda", generator=g).to(bf)
-        ctx = torch.randn(B, 1024, 576, device="cuda", generator=g).to(bf)
-        blk = torch.randn(B, 5, 576, device="cuda", generator=g).to(bf)
-        mask = torch.rand(B, 5, 1029, device="cuda", generator=g) < 0.7
-        mask[..., 1024:] = True
-        ref = mla.latent_attention_ref(q, ctx, blk, mask, 0.06, 512)
-
-        class Cfg:  # the torch path's own scale and rank, for its time
-            cfg = type("c", (), {"kv_lora_rank": 512})()
-            scale = 0.06
-
-        torch_ms = replay_ms(lambda: attention.MLAttention._attend(Cfg, q, ctx, blk, mask), 50)
+        q, ctx, blk, mask = latent_attention_inputs(B, g)
+        ref = mla.latent_attention_ref(q, ctx, blk, mask, attn.scale, 512)
+        with torch.no_grad():
+            torch_ms = replay_ms(lambda: attn._attend(q, ctx, blk, mask), 50)
         rows = []
         if B == 64:
             configs = [dict(block_m=bm, block_n=bn, block_v=bv, num_warps=w, num_stages=st)
@@ -1077,10 +1080,11 @@ def stage_mla(args) -> None:
             top = [r[2] for r in report["sweep"]["B64"]["configs"][:6]]
             configs = [{**c, "block_v": bv} for c in top for bv in (128, 256)]
         for c in configs:
+            mla.CONFIGS["small"] = mla.CONFIGS["large"] = c  # whichever this batch launches
             try:
-                got = mla.latent_attention(q, ctx, blk, mask, 0.06, 512, c)
+                got = mla.latent_attention(q, ctx, blk, mask, attn.scale, 512)
                 diff = (got.float() - ref).abs().max().item()
-                ms = replay_ms(lambda c=c: mla.latent_attention(q, ctx, blk, mask, 0.06, 512, c), 30)
+                ms = replay_ms(lambda: mla.latent_attention(q, ctx, blk, mask, attn.scale, 512), 30)
             except Exception as e:  # noqa: BLE001 - out of shared memory or registers: next
                 log(f"  B{B} {c}: {type(e).__name__}")
                 continue
@@ -1090,11 +1094,9 @@ def stage_mla(args) -> None:
         log(f"  B{B}: torch path {torch_ms:.4f} ms; fastest kernel configs:")
         for r in rows[:8]:
             log(f"    {r}")
+        chosen["large" if B == 64 else "small"] = rows[0][2]
         (OUT / "mla.json").write_text(json.dumps(report, indent=1))
-    mla.CONFIGS["large"] = report["sweep"]["B64"]["configs"][0][2]
-    mla.CONFIGS["small"] = report["sweep"]["B1"]["configs"][0][2]
-    tok = AutoTokenizer.from_pretrained(ROOT / "work" / "tok")
-    target, draft = shapes.random_models("llama-8b", "cuda", bf, 5, tok)
+    mla.CONFIGS.update(chosen)
     report["draft_fused"] = draft_fused_check(target, draft)
     report["best_configs"] = mla.CONFIGS
     (OUT / "mla.json").write_text(json.dumps(report, indent=1))

@@ -111,9 +111,7 @@ def paged_block_hidden(draft, embed, lat, tables, page: int, anchors, apos, ctx_
     with the buffer."""
     ctx_pos = apos[:, None] - ctx_offsets.shape[1] + ctx_offsets  # [B, W]; negative before the prompt
     pages, off = page_of(tables, ctx_pos.clamp(min=0), page)
-    # one index over the flattened pages: indexing with two tensors took 1.0 ms at batch 64 on the
-    # H200, 5x the bytes it moved (docs/benchmarks.md, twenty-ninth session); the fused attention
-    # kernel reads the rows in place
+    # rows of the flattened pages: gathered, or read in place by the fused attention kernel
     ctx = paged_context(lat.flatten(1, 2), pages * page + off, draft.config)
     return block_hidden(draft, embed, anchors, apos, ctx, ctx_pos, ctx_pos >= 0, width)
 

@@ -407,7 +407,7 @@ class Planner:
 
     def retire(self, bucket: int) -> bool:
         """Whether the drafting requests of a batch at ``bucket`` stop drafting for good: auto only,
-        after ``probe_every`` steps (eager: ``retire_every``) (step costs measured; acceptance is the optimistic prior until
+        after ``probe_every`` steps (eagerly ``retire_every``; step costs measured; acceptance is the optimistic prior until
         drafts are seen, so this errs toward drafting), where the best drafting width falls short of
         the target alone (no hysteresis: retirement is for good, so it cannot flap; and the tail of a
         finishing wave and the drafter's prefill upkeep, not in the step costs, make break-even a

@@ -31,8 +31,10 @@ except ImportError:  # pragma: no cover - the CI installs it
 
 
 def gather_rows(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Paged context latents as one tensor: rows ``idx [B, Lc]`` of ``pool [N, D]`` -> ``[B, Lc, D]``."""
-    return pool.index_select(0, idx.flatten()).view(*idx.shape, pool.shape[-1])
+    """Paged context latents as one tensor: rows ``idx [B, Lc]`` of ``pool [..., N, D]`` ->
+    ``[..., B, Lc, D]`` (one index over the flattened pages: indexing pages and offsets as two tensors
+    took 1.0 ms at batch 64 on the H200, 5x the bytes it moved; docs/benchmarks.md, twenty-ninth session)."""
+    return pool.index_select(-2, idx.flatten()).view(*pool.shape[:-2], *idx.shape, pool.shape[-1])
 
 
 def latent_attention_ref(
@@ -63,7 +65,7 @@ def kernel_shapes_ok(rank: int, rope: int) -> bool:
 # fastest of a sweep on the H200 (gpu.py mla, 54 launches that fit, docs/benchmarks.md, thirtieth
 # session): at batch 1, 0.097 ms against 0.165 for the torch path; at batch 64 0.65 against 0.69
 # (128-row tiles: the 480 query rows of a batch row share every key). "large" needs one pipeline
-# stage: with two it ran out of shared memory. Module-level so a sweep can set them.
+# stage: with two it ran out of shared memory. Module-level so a sweep (or a test) can set them.
 CONFIGS: dict[str, dict] = {
     "small": {"block_m": 32, "block_n": 64, "block_v": 128, "num_warps": 8, "num_stages": 2},
     "large": {"block_m": 128, "block_n": 64, "block_v": 256, "num_warps": 8, "num_stages": 1},
@@ -75,6 +77,7 @@ def launch_config(B: int, M: int) -> dict:
     return CONFIGS["small" if B * -(-M // 32) < 264 else "large"]
 
 
+@torch.library.custom_op("dflash2::latent_attention", mutates_args=())
 def latent_attention(
     q: torch.Tensor,
     ctx: torch.Tensor,
@@ -82,12 +85,13 @@ def latent_attention(
     mask: torch.Tensor,
     scale: float,
     rank: int,
-    config: dict | None = None,
     ctx_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As :func:`latent_attention_ref`, by the kernel: ``[B, M, rank]`` in ``q``'s dtype. With
     ``ctx_idx [B, Lc]``, ``ctx`` is a pool of rows ``[N, D]`` and context key ``j`` of row ``b`` is
-    ``ctx[ctx_idx[b, j]]`` (:func:`gather_rows`), read in place: no gathered copy."""
+    ``ctx[ctx_idx[b, j]]`` (:func:`gather_rows`), read in place: no gathered copy. An operator that
+    ``torch.compile`` keeps whole (the draft's layers are compiled with ``fullgraph=True``); its
+    launch is :func:`launch_config`'s."""
     B, M, D = q.shape
     Lc, Lq = (ctx.shape[1] if ctx_idx is None else ctx_idx.shape[1]), blk.shape[1]
     rope = D - rank
@@ -95,7 +99,7 @@ def latent_attention(
         raise ValueError(f"latent attention kernel: rank {rank} and rope {rope} must be powers of two (rope >= 16)")
     out = torch.empty(B, M, rank, dtype=q.dtype, device=q.device)
     m8 = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    cfg = {**launch_config(B, M), **(config or {})}
+    cfg = launch_config(B, M)
     BLOCK_M, BLOCK_N = cfg["block_m"], cfg["block_n"]
     # each program a slice of the output columns (each slice recomputes the scores: cheap beside
     # reading the keys, and more programs at a small batch)
@@ -191,21 +195,6 @@ if triton is not None:
                  mask=row_ok[:, None])  # fmt: skip
 
 
-@torch.library.custom_op("dflash2::latent_attention", mutates_args=())
-def latent_attention_op(
-    q: torch.Tensor,
-    ctx: torch.Tensor,
-    blk: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-    rank: int,
-    ctx_idx: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`latent_attention` as an operator that ``torch.compile`` keeps whole (the draft's layers
-    are compiled with ``fullgraph=True``)."""
-    return latent_attention(q, ctx, blk, mask, scale, rank, ctx_idx=ctx_idx)
-
-
-@latent_attention_op.register_fake
+@latent_attention.register_fake
 def _(q, ctx, blk, mask, scale, rank, ctx_idx=None):
     return q.new_empty(q.shape[0], q.shape[1], rank)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DFlash2Config
-from ..kernels.mla_attention import gather_rows, kernel_shapes_ok, latent_attention_op
+from ..kernels.mla_attention import gather_rows, kernel_shapes_ok, latent_attention
 from .rope import RotaryEmbedding, apply_interleaved_rope
 
 
@@ -66,6 +66,7 @@ FUSED_ATTENTION = False
 
 
 def fused_applies(q: torch.Tensor, rank: int) -> bool:
+    """Whether the attention over ``q [..., rank + rope]`` (or a latent pool of that width) is the kernel's."""
     rope = q.shape[-1] - rank
     return (
         FUSED_ATTENTION
@@ -81,9 +82,9 @@ def paged_context(pool: torch.Tensor, rows: torch.Tensor, cfg: DFlash2Config) ->
     ``(pool[i], rows)`` pairs where the fused kernel will read them in place (no gathered copy: 0.57 ms
     of a 6.3 ms batch-64 draft block at the 8B shape on the H200, docs/benchmarks.md, thirtieth
     session), else gathered, ``[layers, B, Lc, D]``."""
-    if fused_applies(pool, cfg.kv_lora_rank) and pool.shape[-1] == cfg.kv_lora_rank + cfg.qk_rope_head_dim:
+    if fused_applies(pool, cfg.kv_lora_rank):
         return [(pool[i], rows) for i in range(pool.shape[0])]
-    return pool.index_select(1, rows.flatten()).view(pool.shape[0], *rows.shape, pool.shape[-1])
+    return gather_rows(pool, rows)
 
 
 def _tensor_cores(x: torch.Tensor) -> bool:
@@ -149,7 +150,7 @@ class MLAttention(nn.Module):
         paged = isinstance(ctx_latent, tuple)  # (pool [N, D], rows [B, Lc]): read in place by the kernel
         if fused_applies(q, cfg.kv_lora_rank) and (not paged or ctx_latent[0].dtype == q.dtype):
             ctx, idx = ctx_latent if paged else (ctx_latent.to(h.dtype), None)
-            out_lat = latent_attention_op(q, ctx, blk, mask, self.scale, cfg.kv_lora_rank, idx)
+            out_lat = latent_attention(q, ctx, blk, mask, self.scale, cfg.kv_lora_rank, idx)
         else:
             ctx = gather_rows(*ctx_latent) if paged else ctx_latent
             out_lat = self._attend(q, ctx.to(h.dtype), blk, mask)
