@@ -1023,7 +1023,7 @@ def latent_attention_inputs(B: int, g) -> tuple:
 def draft_fused_check(target, draft) -> dict:
     """The fused latent-attention kernel (kernels/mla_attention.py) against the torch path it replaces:
     alone at batch 64 (:func:`latent_attention_inputs`, against the float32 reference), then the draft
-    block both ways (:func:`draft_block_ab`)."""
+    block both ways (:func:`draft_block_ab`), the kernel reading the paged latents in place and gathered."""
     import torch
     from dflash2.kernels.mla_attention import latent_attention, latent_attention_ref
 
@@ -1043,7 +1043,16 @@ def draft_fused_check(target, draft) -> dict:
         }
     }
     log(f"  latent attention alone: {out['kernel_alone_B64']}")
-    out.update(draft_block_ab(target, draft, "FUSED_ATTENTION", ("torch", "fused")))
+    from dflash2.model import attention
+
+    # the kernel reading the paged latents in place, then given them gathered (as the torch path is)
+    for paged in (True, False):
+        attention.PAGED_READ = paged
+        log(f"  PAGED_READ={paged}")
+        out["paged_read" if paged else "gathered"] = draft_block_ab(
+            target, draft, "FUSED_ATTENTION", ("torch", "fused")
+        )
+    attention.PAGED_READ = True
     return out
 
 

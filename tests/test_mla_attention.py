@@ -80,7 +80,8 @@ def test_kernel_reads_paged_rows_in_place(config, monkeypatch):
 @needs_interpreter
 def test_draft_block_over_paged_context(monkeypatch):
     """The draft's attention over ``(pool, rows)``: the torch path (gathering) and the kernel (in place)
-    both equal the attention over the gathered latents; ``paged_context`` hands pairs only to the kernel."""
+    both equal the attention over the gathered latents; ``paged_context`` hands pairs only to the kernel,
+    and gathers for it too under ``PAGED_READ = False``."""
     cfg = tiny_config(kv_lora_rank=32, qk_rope_head_dim=16, sliding_window=24)
     model = DFlash2DraftModel(cfg).init_weights(std=0.2)
     attn = model.layers[0].self_attn
@@ -100,5 +101,10 @@ def test_draft_block_over_paged_context(monkeypatch):
         pairs = attention_mod.paged_context(pool, rows, cfg)
         assert isinstance(pairs, list) and len(pairs) == cfg.num_hidden_layers
         fused = attn(h, q_pos, pairs[0], mask)
+        monkeypatch.setattr(attention_mod, "PAGED_READ", False)  # the kernel over the gathered latents
+        regathered = attention_mod.paged_context(pool, rows, cfg)
+        assert torch.is_tensor(regathered) and torch.equal(regathered, gathered)
+        fused_gathered = attn(h, q_pos, regathered[0], mask)
     torch.testing.assert_close(torch_paged, ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_gathered, ref, rtol=1e-5, atol=1e-5)

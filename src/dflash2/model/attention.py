@@ -58,11 +58,14 @@ TENSOR_CORE_SCORES = True
 
 
 # On CUDA in half precision, without grad (serving: the kernel has no backward), the attention can be
-# the fused kernel (kernels/mla_attention.py). Off by default: on the H200 it matched the torch path
-# at batch 64 (0.65 against 0.69 ms a layer) and beat it at batch 1 (0.10 against 0.17), but inside
-# the engine's graphs it is not measured yet (its first launch made the 8B shape's c=64 engine row
-# 1.28x -> 1.18x; docs/benchmarks.md, thirtieth session). Module-level so a benchmark can set it.
+# the fused kernel (kernels/mla_attention.py). Off: alone it beat the torch path (batch 64: 0.60 against
+# 0.63 ms a layer; batch 1: 0.10 against 0.17), but in the compiled draft block, reading the paged
+# latents in place, it lost at every batch (1: 4.13 against 3.34 ms; 64: 6.29 against 5.77) and the 8B
+# engine rows fell (c=1 2.83x -> 2.80x, c=64 1.28x -> 1.24x; docs/benchmarks.md, thirty-first
+# session). PAGED_READ False hands it the gathered latents instead, to tell whether the in-place read
+# (a dependent index load before every key tile) is what loses. Module-level so a benchmark can set them.
 FUSED_ATTENTION = False
+PAGED_READ = True
 
 
 def fused_applies(q: torch.Tensor, rank: int) -> bool:
@@ -82,7 +85,7 @@ def paged_context(pool: torch.Tensor, rows: torch.Tensor, cfg: DFlash2Config) ->
     ``(pool[i], rows)`` pairs where the fused kernel will read them in place (no gathered copy: 0.57 ms
     of a 6.3 ms batch-64 draft block at the 8B shape on the H200, docs/benchmarks.md, thirtieth
     session), else gathered, ``[layers, B, Lc, D]``."""
-    if fused_applies(pool, cfg.kv_lora_rank):
+    if PAGED_READ and fused_applies(pool, cfg.kv_lora_rank):
         return [(pool[i], rows) for i in range(pool.shape[0])]
     return gather_rows(pool, rows)
 
