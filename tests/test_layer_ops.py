@@ -18,7 +18,7 @@ from dflash2.kernels.layer_ops import (
 )
 from dflash2.kernels.live_attention import use_triton
 from dflash2.target import TargetModel
-from dflash2.target.static_llama import StaticTarget, concat_linears
+from dflash2.target.static_llama import Rows, StaticTarget, concat_linears
 
 pytest.importorskip("triton")
 needs_interpreter = pytest.mark.skipif(
@@ -145,3 +145,31 @@ def test_fused_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="fused layers"):
         StaticTarget(t, 64, fused=True)
     assert not StaticTarget(t, 64).fused  # the CPU default: unfused
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "live"])
+@pytest.mark.parametrize("arch,fused", [("llama_hd16", False), ("qwen3", False), ("llama_hd16", True)])
+def test_forward_rows_equals_separate_forwards(arch, fused, attention):
+    """A verify block and a prefill chunk in one ``forward_rows`` (projections, MLP and LM head shared)
+    give the logits, features and cache of the two forwards run apart, in float32."""
+    if fused and not use_triton(torch.device("cpu")):
+        pytest.skip("the fused layers run on the CPU only under TRITON_INTERPRET=1")
+    t = TargetModel(build(arch), layer_ids=[0, 2])
+    apart, joint = (StaticTarget(t, 64, attention=attention, page_size=64, num_pages=4, fused=fused) for _ in "ab")
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 90, (2, 10), generator=g)
+    block, chunk = torch.randint(3, 90, (2, 3), generator=g), torch.randint(3, 90, (1, 12), generator=g)
+    tables = torch.arange(3, dtype=torch.int32)[:, None]  # row b on page b; the chunk's row on page 2
+    zero2, zero1 = torch.zeros(2, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    for st in (apart, joint):  # the verify rows' prompts, already in
+        st.forward(prompts, zero2, kv_len=10, tables=tables[:2])
+    verify = dict(ids=block, start=torch.full((2,), 10), tables=tables[:2], kv_len=13)
+    prefill = dict(ids=chunk, start=zero1, tables=tables[2:], kv_len=12, last=torch.tensor([11]))
+    want = [apart.forward(**verify), apart.forward(**prefill)]
+    got = joint.forward_rows([Rows(**verify), Rows(**prefill)])
+    for (lg, f), (lg_ref, f_ref) in zip(got, want):
+        assert lg.shape == lg_ref.shape and f.shape == f_ref.shape
+        torch.testing.assert_close(lg, lg_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(f, f_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(joint.k_cache, apart.k_cache, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(joint.v_cache, apart.v_cache, rtol=1e-5, atol=1e-5)
