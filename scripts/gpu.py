@@ -1747,7 +1747,7 @@ def stage_shape(args) -> None:
             rounds=args.rounds,
             adaptive=args.adaptive,
             on_level=keep,
-            engine_kw={"synthetic_acceptance": (rate,)},
+            engine_kw={"synthetic_acceptance": (rate,), "enable_mixed_chunk": args.mixed_chunk},
             deadline=T_START + args.deadline_s,
         )
         print(
@@ -1871,6 +1871,9 @@ def main() -> None:
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--bench-seconds", type=float, default=150)
     ap.add_argument("--fused-attention", action="store_true", help="the draft's attention by the fused kernel")
+    ap.add_argument(
+        "--mixed-chunk", action="store_true", help="shape: --enable-mixed-chunk for every engine (target alone too)"
+    )
     ap.add_argument("--prefill-rows", default=None, help="graph_runner.PREFILL_ROWS for this call, e.g. 1,2,4,8,16")
     ap.add_argument("--prefill-buckets", default=None, help="graph_runner.PREFILL_BUCKETS for this call")
     args = ap.parse_args()

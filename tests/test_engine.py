@@ -38,6 +38,7 @@ def _run(
     max_new=(30, 12, 21, 7),
     attention_backend="auto",
     sampler_backend="sort",
+    mixed_chunk=False,
 ):
     """``sampled``: True (every request at T=1 / top-p 0.9), False, or "mixed" (every other one)."""
     eng = LLMEngine(
@@ -55,6 +56,7 @@ def _run(
             speculative_planner="off",  # step for step against the reference loop / the other runner
             attention_backend=attention_backend,
             sampler_backend=sampler_backend,
+            enable_mixed_chunk=mixed_chunk,
         ),
     )
     hot = [sampled is True or (sampled == "mixed" and i % 2 == 1) for i in range(len(prompts))]
@@ -116,6 +118,38 @@ def test_static_runner_sampled_equals_paged(llama, block):
     _, static = _run(t, d, prompts, "static", block=block, sampled=True)
     assert [r.output_ids for r in static] == [r.output_ids for r in paged]
     assert [r.accept_hist for r in static] == [r.accept_hist for r in paged]
+
+
+@pytest.mark.parametrize("width", [1, 5])
+def test_mixed_chunk_greedy_equals_target(width):
+    """--enable-mixed-chunk: new prompts run inside decode steps' forwards (the verify block and the
+    prompt share projections, MLP and LM head): greedy output is still the target's own, token for token."""
+    t = TargetModel(build("llama", seed=7), layer_ids=[0, 2])
+    draft = random_draft(t, 5).draft if width > 1 else None
+    prompts = _prompts(9, seed=7)
+    eng, reqs = _run(t, draft, prompts, "static", width=5, mixed_chunk=True)
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
+    assert eng.stats.prompts_mixed >= 4  # every admission after the first batch, bar those two at once
+    assert eng.runner.occupant == []
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_mixed_chunk_sampled_equals_unmixed(llama, block):
+    """Same seeds: a prompt run inside a step gives each request the same draws, tokens and acceptances."""
+    t, d = llama
+    prompts = _prompts(7, seed=13)
+    _, apart = _run(t, d, prompts, "static", block=block, sampled=True)
+    eng, mixed = _run(t, d, prompts, "static", block=block, sampled=True, mixed_chunk=True)
+    assert eng.stats.prompts_mixed > 0
+    assert [r.output_ids for r in mixed] == [r.output_ids for r in apart]
+    assert [r.accept_hist for r in mixed] == [r.accept_hist for r in apart]
+
+
+def test_mixed_chunk_refused_by_the_paged_runner(llama):
+    t, d = llama
+    with pytest.raises(ValueError, match="--enable-mixed-chunk"):
+        LLMEngine(t, d, EngineConfig(max_running_requests=2, enable_mixed_chunk=True))
 
 
 def test_mixed_batch_greedy_rows_equal_target(llama):
@@ -236,9 +270,9 @@ def test_warm_up_drafts_then_starts_fresh(llama):
     widths = []
     step = eng.runner.step
 
-    def counted(reqs, sampling, width=None, overlap=None):
+    def counted(reqs, sampling, width=None, overlap=None, prefill=None):
         widths.append(width)
-        return step(reqs, sampling, width, overlap=overlap)
+        return step(reqs, sampling, width, overlap=overlap, prefill=prefill)
 
     eng.runner.step = counted  # type: ignore[method-assign]
     eng.warm_up()
@@ -280,8 +314,8 @@ def test_padded_prefill_equals_the_eager_prefill(llama, lengths, split):
 
                 def in_place(replay=replay, res=res, buf={}):
                     replay()
-                    buf.setdefault("logits", res["logits"]).copy_(res["logits"])
-                    res["logits"] = buf["logits"]
+                    buf.setdefault("pf_logits", res["pf_logits"]).copy_(res["pf_logits"])
+                    res["pf_logits"] = buf["pf_logits"]
 
                 runner.prefill_graphs[key] = (in_place, res)
         reqs = [Request(x, SamplingParams()) for x in prompts]

@@ -79,6 +79,9 @@ class EngineConfig:
     # of the vocabulary sorted), triton (kernels/truncate.py, sort-free: 0.21 vs 0.51 ms for 64 rows on
     # the H200) or auto: triton on CUDA in the static runner, sort elsewhere
     sampler_backend: str = "auto"
+    # SGLang's flag: a new request's whole prompt runs inside a decode step's forward, sharing its read of
+    # the weights (the static runner's paged pool: graph_runner.MIXED_PREFILL_LENGTHS)
+    enable_mixed_chunk: bool = False
 
     @classmethod
     def for_models(cls, target, draft, width: int, context_length: int | None = None, **fields) -> "EngineConfig":
@@ -151,6 +154,7 @@ class EngineStats:
     preemptions: int = 0
     requests_not_drafting: int = 0  # admitted without drafting (Planner.speculate_new)
     requests_retired: int = 0  # stopped drafting while running (Planner.retire)
+    prompts_mixed: int = 0  # prompts that ran inside a decode step's forward (--enable-mixed-chunk)
     steps: int = 0  # batched steps
     draft_s: float = 0.0  # time in draft forward + selector
     verify_s: float = 0.0  # time in the target verify forward
@@ -243,6 +247,11 @@ class LLMEngine:
                 static = False
         if not static and cfg.sampler_backend == "triton":
             raise ValueError("--sampler-backend triton: the kernel serves the static-slot runner's graphs only")
+        if not static and cfg.enable_mixed_chunk:
+            raise ValueError(
+                "--enable-mixed-chunk: the static-slot runner only (a dense Llama/Qwen/Mistral target on "
+                "CUDA, or --model-runner static); this one runs the paged runner"
+            )
         if not static and cfg.attention_backend == "triton":
             raise ValueError(
                 "--attention-backend triton: the kernel serves the static-slot runner only (a dense "
@@ -264,6 +273,7 @@ class LLMEngine:
                 synthetic_acceptance=cfg.synthetic_acceptance,
                 sampler=cfg.sampler_backend,
                 compile_draft=not cfg.disable_torch_compile,
+                mixed_chunk=cfg.enable_mixed_chunk,
             )
         pool = BlockManager(cfg.max_total_tokens // cfg.page_size, cfg.page_size)
         return ModelRunner(target, self.draft, pool, self.width, cfg.block_verification, cfg.synthetic_acceptance)
@@ -484,15 +494,20 @@ class LLMEngine:
                 self._ahead = None if nxt is None else (bucket, nxt)
             self._prefill_some(defer=True)
 
+        mix = self._mixed_chunk()
         try:
-            out = self.runner.step(reqs, sampling, width, overlap=overlap)
+            out = self.runner.step(reqs, sampling, width, overlap=overlap, prefill=mix)
         except Exception as e:  # a failing batch fails its requests, not the server
             log.exception("speculative step failed")
             with self.lock:
-                for r in reqs:
+                # (a prompt that ran with the failed step fails with it: its K/V may be half written)
+                for r in reqs + ([mix[0]] if mix is not None and mix[0].prefill_pos else []):
                     self._finish(r, "error", f"{type(e).__name__}: {e}")
             return
         t_back = time.perf_counter()
+        if mix is not None and out.prefilled is not None:  # the prompt went in with the step
+            self.stats.prompts_mixed += 1
+            self._take_prefilled([mix], [out.prefilled])
         s = self.stats
         for b, (r, tokens, n) in enumerate(zip(reqs, out.tokens, out.num_accepted)):
             if r.sampling.logprobs is not None and out.logits is not None:
@@ -519,11 +534,12 @@ class LLMEngine:
         shape = s.step_s_by_shape.setdefault(f"{bucket}x{0 if plain else width}", [0, 0.0])
         shape[0], shape[1] = shape[0] + 1, shape[1] + seconds
         t_obs = time.perf_counter()
+        cost = None if out.prefilled is not None else seconds  # (a prompt's share is not the width's)
         if drafting or self.draft is None:  # counts folded while the next step runs; finished ones are gone
             live = [(r.request_id, n) for r, n in zip(reqs, out.num_accepted) if not r.finished]
-            self.planner.observe([i for i, _ in live], [n for _, n in live], width, bucket, seconds, defer=True)
+            self.planner.observe([i for i, _ in live], [n for _, n in live], width, bucket, cost, defer=True)
         elif plain:
-            self.planner.observe_plain(bucket, seconds)
+            self.planner.observe_plain(bucket, cost)
         t_end = time.perf_counter()
         s.host_s += (t_run - t0) + (t_end - t_back)
         s.plan_s += (t_plan - t0) + (t_end - t_obs)
@@ -539,6 +555,8 @@ class LLMEngine:
             if budget is not None and budget <= 0:
                 break
             n = len(prefill_ids(req)) - req.prefill_pos
+            if n <= 0:  # all in, with the step running now (--enable-mixed-chunk)
+                continue
             if budget is not None:
                 n = min(n, budget)
                 budget -= n
@@ -553,6 +571,17 @@ class LLMEngine:
         if not defer:
             self._emit_first_tokens()
 
+    def _mixed_chunk(self) -> tuple[Request, int] | None:
+        """With ``--enable-mixed-chunk``: the oldest admitted request, when its whole prompt can run
+        inside this step's forward (within the chunked-prefill budget)."""
+        if not self.cfg.enable_mixed_chunk or not self.prefilling:
+            return None
+        req = self.prefilling[0]
+        n = len(prefill_ids(req)) - req.prefill_pos
+        size = self.cfg.chunked_prefill_size
+        fits = size is None or size < 0 or n <= size
+        return (req, n) if fits and self.runner.mixable(req, n) else None
+
     def _prefill_chunks(self, chunks: list[tuple[Request, int]]) -> None:
         batch = getattr(self.runner, "prefill_batch", None)
         try:  # one forward for all the chunks where the runner can; else (or if it fails) one each
@@ -560,6 +589,12 @@ class LLMEngine:
         except Exception:
             log.exception("batched prefill failed; prefilling one request at a time")
             results = None
+        self._take_prefilled(chunks, results)
+
+    def _take_prefilled(self, chunks: list[tuple[Request, int]], results: list[torch.Tensor | None] | None) -> None:
+        """The chunks' outcome (``results``: each one's last logits once its prompt is all in, or None:
+        prefill each alone now): requests whose prompt is in leave ``prefilling``, new ones get their
+        first token."""
         done: list[tuple[Request, torch.Tensor]] = []  # new requests whose prompt is now in
         for i, (req, n) in enumerate(chunks):
             try:

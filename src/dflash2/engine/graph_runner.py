@@ -29,7 +29,7 @@ from ..kernels.live_attention import use_triton
 from ..model.attention import paged_context
 from ..model.context_cache import block_hidden
 from ..target import TargetModel
-from ..target.static_llama import StaticTarget, unsupported_reason
+from ..target.static_llama import Rows, StaticTarget, unsupported_reason
 from . import steps
 from .block_manager import BlockManager, SlotManager
 from .request import Request, prefill_ids
@@ -61,6 +61,13 @@ PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
 # captures few (17 shapes, 34 graphs with a drafter); a group of rows past them prefills eagerly.
 PREFILL_ROWS = (1, 4, 16)
 PREFILL_GRAPH_TOKENS = 4096
+# --enable-mixed-chunk: a new request's whole prompt, padded to one of these lengths, runs inside a
+# decode step's forward (StaticTarget.forward_rows), so it shares that step's read of the weights. Why: at
+# the 8B shape a small batch's step and a ~110-token prefill each cost a read of the 16 GB of weights
+# (~3.8 ms on the H200), and speculative requests finish at different steps, so they are admitted one
+# at a time, each with a prefill of its own: 17% of the wall at 8 requests (docs/benchmarks.md,
+# thirtieth session). One more graph per length for each decode graph.
+MIXED_PREFILL_LENGTHS = (128, 256, 512)
 
 
 def plan_prefill(
@@ -191,12 +198,14 @@ class GraphModelRunner:
         synthetic_acceptance: tuple[float, ...] | None = None,
         sampler: str = "auto",
         compile_draft: bool = True,
+        mixed_chunk: bool = False,
     ):
         """``page_size`` / ``num_pages``: KV (target and draft) in a pool of pages that requests
         take as they grow (the scheduler's :class:`BlockManager`), read through per-slot block tables
         on the device; without them each slot holds ``max_len`` positions (the one-slot engine).
         ``compile_draft``: the draft's layers and latents through ``torch.compile`` where the graphs
-        are captured (:meth:`DFlash2DraftModel.compile_layers`)."""
+        are captured (:meth:`DFlash2DraftModel.compile_layers`). ``mixed_chunk``: a new request's prompt
+        may run inside a step's forward (:data:`MIXED_PREFILL_LENGTHS`; paged pools only)."""
         self.target, self.draft, self.w, self.max_len = target, draft, width, max_len
         # the widths a step may verify (the planner's choices): the full one, and 1 = the target alone
         self.verify_widths = tuple(sorted(set(verify_widths) | {width}))
@@ -298,7 +307,12 @@ class GraphModelRunner:
         self.prefill_graphs: dict[tuple[int, int, bool], tuple[Replay, dict]] = {}  # (rows, length, latents)
         # a batch of requests that do not draft runs the target alone: width 1 without the latent writes
         self.plain_graphs = draft is not None and 1 in self.verify_widths
-        self.graphs: dict[tuple[str, int, bool, int, int], tuple[Replay, dict]] = {}  # kind, B, greedy, kv_len, w
+        # a step's graphs may carry one new request's prompt of these (padded) lengths
+        self.mixed_lengths = tuple(L for L in MIXED_PREFILL_LENGTHS if L <= max_len) if mixed_chunk and st.paged else ()
+        if mixed_chunk and not st.paged:
+            raise ValueError("--enable-mixed-chunk: needs a paged KV pool (more than one running request)")
+        # kind, B, greedy, kv_len, w, and the padded length of a prompt run with the step (0: none)
+        self.graphs: dict[tuple[str, int, bool, int, int, int], tuple[Replay, dict]] = {}
         # Capture every bucket now, largest first so smaller ones reuse its memory (a capture inside a
         # step would cost that step ~0.1 s); the idle slots the warm-up calls write into are
         # overwritten by each request's prefill.
@@ -311,10 +325,11 @@ class GraphModelRunner:
             try:
                 for kv_len in reversed(self.kv_buckets):
                     for B in reversed(self.buckets):
-                        for w in self.verify_widths:
-                            self._graph("verify", B, greedy, self._verify_kv(kv_len), w)
-                        if self.plain_graphs:
-                            self._graph("plain", B, greedy, self._verify_kv(kv_len), 1)
+                        for mix in (0, *self.mixed_lengths):
+                            for w in self.verify_widths:
+                                self._graph("verify", B, greedy, self._verify_kv(kv_len), w, mix)
+                            if self.plain_graphs:
+                                self._graph("plain", B, greedy, self._verify_kv(kv_len), 1, mix)
                         if draft is not None:
                             self._graph("draft", B, greedy, kv_len)
             except RuntimeError as e:
@@ -426,14 +441,15 @@ class GraphModelRunner:
             self.owed[s], self.owed_host[s] = left, left
 
     # ---- the captured functions ---------------------------------------------------------------
-    def _graph(self, kind: str, B: int, greedy: bool, kv_len: int, width: int = 0) -> tuple[Replay, dict]:
+    def _graph(self, kind: str, B: int, greedy: bool, kv_len: int, width: int = 0, mix: int = 0) -> tuple[Replay, dict]:
         """The buckets' graph (captured at start-up on CUDA; eager functions otherwise). ``width``:
-        the verify width (the draft always builds the full block)."""
-        key = (kind, B, greedy, kv_len, width or self.w)
+        the verify width (the draft always builds the full block); ``mix``: the padded length of the
+        new prompt run with the step (``pf_ids[:1, :mix]``; 0: none)."""
+        key = (kind, B, greedy, kv_len, width or self.w, mix)
         if key not in self.graphs:
             out: dict = {}
             if kind in ("verify", "plain"):
-                fn = partial(self._verify_fn, B, greedy, kv_len, out, key[4], kind == "verify")
+                fn = partial(self._verify_fn, B, greedy, kv_len, out, key[4], kind == "verify", mix)
             else:
                 fn = partial(self._draft_fn, B, greedy, kv_len, out)
             with torch.no_grad():
@@ -499,14 +515,19 @@ class GraphModelRunner:
         """``R`` requests' first chunks, ``pf_ids[:R, :L]`` from position 0 through ``pf_table``: K/V
         (and the draft's latents) of every row, padded ones included (never read: a query reads keys
         up to its own position, each written before it is read), and each row's logits at ``pf_last``."""
-        zero = self.pf_last.new_zeros(R)
-        table = self.pf_table[:R]
-        logits, feats = self.static.forward(self.pf_ids[:R, :L], zero, kv_len=L, tables=table, last=self.pf_last[:R])
+        self._prefill_out(R, L, latents, self.static.forward_rows([self._prefill_rows(R, L)])[0], out)
+
+    def _prefill_rows(self, R: int, L: int) -> Rows:
+        return Rows(self.pf_ids[:R, :L], self.pf_last.new_zeros(R), self.pf_table[:R], L, self.pf_last[:R])
+
+    def _prefill_out(self, R: int, L: int, latents: bool, result: tuple, out: dict) -> None:
+        """A prefill's outputs: the draft's latents of its rows (``latents``), its logits to ``out``."""
+        logits, feats = result
         if latents:
             pos = self.ctx_pos[:, :L].expand(R, L)
-            page, off = page_of(table, pos, self.page)
+            page, off = page_of(self.pf_table[:R], pos, self.page)
             self.lat[:, page, off] = self.draft.graph_rows(feats, pos).to(self.lat.dtype)
-        out["logits"] = logits
+        out["pf_logits"] = logits
 
     def _prefill_padded(self, chunks: list[tuple[Request, int]]) -> list[torch.Tensor | None] | None:
         """Requests' first chunks through padded (rows, length) buckets' graphs, as
@@ -530,6 +551,13 @@ class GraphModelRunner:
 
     def _replay_prefill(self, chunks: list[tuple[Request, int]], R: int, L: int) -> list[torch.Tensor | None]:
         """First chunks (at most ``R``, each at most ``L`` tokens) through the (R, L) graph."""
+        self._load_prefill(chunks, R, L)
+        replay, out = self.prefill_graphs[(R, L, self.draft is not None and any(r.speculate for r, _ in chunks))]
+        replay()
+        return [self._prefilled(req, k, out["pf_logits"][b, -1]) for b, (req, k) in enumerate(chunks)]
+
+    def _load_prefill(self, chunks: list[tuple[Request, int]], R: int, L: int) -> None:
+        """First chunks (each request seated) into ``pf_ids[:R, :L]``, ``pf_last`` and ``pf_table``."""
         dev = self.target.device
         rows = []
         for req, k in chunks:
@@ -541,9 +569,6 @@ class GraphModelRunner:
         self.pf_table[:real] = self.tables[steps.h2d([r.slot for r, _ in chunks], torch.long, dev)]
         self.pf_last[real:R] = 0
         self.pf_table[real:R] = self.static.scratch  # padded rows write to the scratch page only
-        replay, out = self.prefill_graphs[(R, L, self.draft is not None and any(r.speculate for r, _ in chunks))]
-        replay()
-        return [self._prefilled(req, k, out["logits"][b, -1]) for b, (req, k) in enumerate(chunks)]
 
     def _verify_kv(self, kv_len: int) -> int:
         """The prefix a verify graph is keyed by: the live kernel reads live keys whatever the prefix."""
@@ -556,8 +581,15 @@ class GraphModelRunner:
         cols = [getattr(self.sampling, f)[:B] for f in BatchSampling.__dataclass_fields__]
         return BatchSampling(*(c[:, :g] if c.dim() == 2 and g is not None else c for c in cols))
 
-    def _verify_fn(self, B: int, greedy: bool, kv_len: int, out: dict, w: int, latents: bool = True) -> None:
-        logits, feats = self.static.forward(self.ids[:B, :w], self.start[:B], kv_len=kv_len, tables=self.tables[:B])
+    def _verify_fn(
+        self, B: int, greedy: bool, kv_len: int, out: dict, w: int, latents: bool = True, mix: int = 0
+    ) -> None:
+        groups = [Rows(self.ids[:B, :w], self.start[:B], self.tables[:B], kv_len)]
+        if mix:  # a new prompt in the same forward (its latents where the step's are written)
+            groups.append(self._prefill_rows(1, mix))
+        (logits, feats), *prefill = self.static.forward_rows(groups)
+        if prefill:
+            self._prefill_out(1, mix, latents and self.draft is not None, prefill[0], out)
         logits = steps.suppress_stops(logits, self.stop_mask[:B], self.owed[:B])
         if (
             self.draft is not None and latents
@@ -712,29 +744,53 @@ class GraphModelRunner:
         """The verify widths a step can run: those with captured graphs."""
         return self.verify_widths
 
+    def mixable(self, req: Request, n: int) -> bool:
+        """Whether ``n`` prompt tokens of ``req`` can run inside a step's forward: its whole prompt,
+        first chunk, no prompt logprobs (those need every row's logits), a mixed length that holds it."""
+        return (
+            req.prefill_pos == 0
+            and n == len(prefill_ids(req))
+            and req.sampling.prompt_logprobs is None
+            and any(n <= L for L in self.mixed_lengths)
+        )
+
     @torch.no_grad()
     def step(
-        self, reqs: list[Request], sampling: BatchSampling | None, width: int | None = None, overlap=None
+        self,
+        reqs: list[Request],
+        sampling: BatchSampling | None,
+        width: int | None = None,
+        overlap=None,
+        prefill: tuple[Request, int] | None = None,
     ) -> StepOutput:
         """Two replays: the draft block + selector walk writes the drafts beside the anchors in the
         slots' id buffer (and q_draft into its slot buffer); the verify graph runs the target over
         them, writes K/V and draft latents in place, runs the verifier and moves each slot's anchor
         and position on. One read-back; a commit only counts. ``width`` 1: the target alone this
-        step (the verify graph over the anchors only, no draft replay)."""
+        step (the verify graph over the anchors only, no draft replay). ``prefill``: a new request's
+        whole prompt (:meth:`mixable`), run in the verify forward where it can be; ``prefilled`` then
+        holds its last logits row."""
         t0 = time.perf_counter()
         w = width or self.w
+        # no request of the batch drafts: the target alone (the occupied slots outside the batch are
+        # prefilling, and their own prefill writes their latents)
+        kind = "plain" if w == 1 and self.plain_graphs and not any(r.speculate for r in reqs) else "verify"
+        # a prompt joins where its latents come out as it needs them (a plain step writes none)
+        mix = 0
+        if prefill is not None and not (kind == "plain" and prefill[0].speculate) and self.mixable(*prefill):
+            mix = next(L for L in self.mixed_lengths if prefill[1] <= L)
+            self._load_prefill([prefill], 1, mix)  # (seated first: the step's bucket covers its slot)
         idx, B, kv_len = self._load(reqs, sampling)
         greedy = sampling is None
         if w > 1:
             self._graph("draft", B, greedy, kv_len)[0]()
         t1 = time.perf_counter()
-        # no request of the batch drafts: the target alone (the occupied slots outside the batch are
-        # prefilling, and their own prefill writes their latents)
-        kind = "plain" if w == 1 and self.plain_graphs and not any(r.speculate for r in reqs) else "verify"
-        replay, out = self._graph(kind, B, greedy, self._verify_kv(kv_len), w)
+        replay, out = self._graph(kind, B, greedy, self._verify_kv(kv_len), w, mix)
         replay()
+        first = self._prefilled(prefill[0], prefill[1], out["pf_logits"][0, -1]) if mix and prefill else None
         self.clock.run(overlap)  # host work while the GPU runs (replays are asynchronous on CUDA)
         res = steps.finish_step(out["rows"][idx], t0, t1, self.clock)
+        res.prefilled = first
         if steps.wants_logprobs(reqs):
             res.logits = out["logits"][idx]
         for r, tokens in zip(reqs, res.tokens):

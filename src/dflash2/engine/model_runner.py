@@ -160,8 +160,16 @@ class ModelRunner:
 
     # ---- the step -------------------------------------------------------------------------------
     @torch.no_grad()
+    def mixable(self, req: Request, n: int) -> bool:
+        return False  # prompts run in their own forwards here (--enable-mixed-chunk: the static runner)
+
     def step(
-        self, reqs: list[Request], sampling: BatchSampling | None, width: int | None = None, overlap=None
+        self,
+        reqs: list[Request],
+        sampling: BatchSampling | None,
+        width: int | None = None,
+        overlap=None,
+        prefill: tuple[Request, int] | None = None,
     ) -> StepOutput:
         """Draft ``w - 1`` tokens per request, verify ``[anchor, drafts]`` in one target forward, keep
         what the verifier accepted (its K/V into the pool, its features into the draft context).

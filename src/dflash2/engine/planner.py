@@ -427,9 +427,9 @@ class Planner:
         gain = self.drafting_gain(bucket)
         return gain is not None and bool(gain < 1)
 
-    def observe_plain(self, bucket: int, seconds: float) -> None:
+    def observe_plain(self, bucket: int, seconds: float | None) -> None:
         """A step of requests that do not draft: the target alone's cost at ``bucket`` (width 0)."""
-        if self.adapts:
+        if self.adapts and seconds is not None:
             self._measure((bucket, 0), seconds)
 
     def _measure(self, key: tuple[int, int], seconds: float) -> None:
@@ -576,15 +576,17 @@ class Planner:
         return None if near is None else near[1]
 
     def observe(
-        self, rids: list[str], accepted: list[int], width: int, bucket: int, seconds: float, defer: bool = False
+        self, rids: list[str], accepted: list[int], width: int, bucket: int, seconds: float | None, defer: bool = False
     ) -> None:
         """One step's outcome: each request's accepted drafts, and the step's wall time (nothing to
-        learn when the width is fixed or pinned: no per-request work on the hot path). ``defer``: the
-        acceptance counts wait for :meth:`fold` (the engine calls it while the GPU runs the next
-        step, so the next choice sees them one step late); the step's cost and width count now."""
+        learn when the width is fixed or pinned: no per-request work on the hot path; None: a time
+        that is not the width's alone, a prompt ran with the step). ``defer``: the acceptance counts
+        wait for :meth:`fold` (the engine calls it while the GPU runs the next step, so the next
+        choice sees them one step late); the step's cost and width count now."""
         if not self.adapts:
             return
-        self._measure((bucket, width), seconds)
+        if seconds is not None:
+            self._measure((bucket, width), seconds)
         self.steps += 1
         if self.steps % self.cfg.retire_every == 0:
             self._expire()

@@ -212,6 +212,8 @@ class StepOutput:
     num_accepted: list[int] = field(init=False)
     # the verify forward's logits [B, w, V] (row i predicts token i), when a request asked for logprobs
     logits: torch.Tensor | None = None
+    # the last logits row of the prompt that went in with this step's forward (--enable-mixed-chunk)
+    prefilled: torch.Tensor | None = None
 
     def __post_init__(self):
         self.num_accepted = [len(t) - 1 for t in self.tokens]
@@ -249,10 +251,13 @@ class Runner(Protocol):
 
     def prefill(self, req, max_tokens: int | None = None) -> torch.Tensor | None: ...
 
-    # overlap: host work to run while the device computes the step (before its read-back)
+    # overlap: host work to run while the device computes the step (before its read-back); prefill: a
+    # new request's whole prompt to run inside the step's forward where the runner can (``mixable``)
     def step(
-        self, reqs: list, sampling: BatchSampling | None, width: int | None = None, overlap=None
+        self, reqs: list, sampling: BatchSampling | None, width: int | None = None, overlap=None, prefill=None
     ) -> StepOutput: ...
+
+    def mixable(self, req, n: int) -> bool: ...  # whether ``n`` prompt tokens of ``req`` can join a step
 
     def bucket(self, n: int) -> int: ...  # the batch size a step of n requests is costed under
 

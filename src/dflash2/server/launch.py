@@ -27,6 +27,12 @@ def add_serve_parser(sub) -> None:
         help="prompt tokens prefilled per engine step, so a long prompt does not stall running "
         "requests (-1: whole prompts; default 256 on the CPU, 2048 on CUDA)",
     )
+    p.add_argument(
+        "--enable-mixed-chunk",
+        action="store_true",
+        help="a new request's whole prompt (up to 512 tokens) runs inside a decode step's forward, sharing "
+        "its read of the weights (the static-slot runner with more than one running request)",
+    )
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--speculative-draft-kv-cache-dtype", default="auto")
     p.add_argument("--tp-size", "--tp", type=int, default=1)
@@ -149,6 +155,7 @@ def engine_config(args, target, draft, width: int):
         sampler_backend=args.sampler_backend,
         runner=args.model_runner,
         chunked_prefill_size=args.chunked_prefill_size,
+        enable_mixed_chunk=args.enable_mixed_chunk,
         speculative_planner=args.speculative_planner,
         speculative_width_schedule=args.speculative_width_schedule,
     )

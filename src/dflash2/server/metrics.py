@@ -79,6 +79,11 @@ class _EngineCollector:
             "Requests that stopped drafting while running (the planner: drafting stopped paying)",
             value=s.requests_retired,
         )
+        yield CounterMetricFamily(
+            "dflash2_prompts_mixed",
+            "Prompts that ran inside a decode step's forward (--enable-mixed-chunk)",
+            value=s.prompts_mixed,
+        )
         tried = s.drafts_proposed
         yield GaugeMetricFamily(
             "dflash2_spec_observed_accept_rate",
