@@ -146,6 +146,22 @@ def test_mixed_chunk_sampled_equals_unmixed(llama, block):
     assert [r.accept_hist for r in mixed] == [r.accept_hist for r in apart]
 
 
+def test_mixed_chunk_takes_whole_first_prompts_only(llama):
+    """A prompt joins a step only whole, from its start, without prompt logprobs, within the lengths."""
+    t, d = llama
+    runner = GraphModelRunner(t, d, 5, num_slots=4, max_len=134, cuda_graph=False, page_size=64, num_pages=8,
+                              mixed_chunk=True)  # fmt: skip
+    assert runner.mixed_lengths == (128,)
+    whole = Request(list(range(3, 40)), SamplingParams())
+    assert runner.mixable(whole, 37) and not runner.mixable(whole, 20)  # a first chunk of a longer prompt
+    assert not runner.mixable(Request(list(range(3, 140)), SamplingParams()), 137)  # past 128
+    assert not runner.mixable(Request(list(range(3, 40)), SamplingParams(prompt_logprobs=0)), 37)
+    whole.prefill_pos = 10
+    assert not runner.mixable(whole, 27)
+    with pytest.raises(ValueError, match="--enable-mixed-chunk"):  # slot mode: no pool of pages
+        GraphModelRunner(t, d, 5, num_slots=1, max_len=134, cuda_graph=False, mixed_chunk=True)
+
+
 def test_mixed_chunk_refused_by_the_paged_runner(llama):
     t, d = llama
     with pytest.raises(ValueError, match="--enable-mixed-chunk"):
