@@ -284,7 +284,7 @@ def test_side_by_side_on_a_tiny_model(monkeypatch):
 
 def test_bench_speed_uses_the_loaded_width_and_verifier():
     """--speculative-num-draft-tokens and --speculative-use-block-verification reach bench speed."""
-    from dflash2.benchmark.cli import speed_configs
+    from dflash2.benchmark.cli import cmd_speed, speed_configs
     from dflash2.cli import build_parser
 
     parse = lambda *a: build_parser().parse_args(["bench", "speed", *a])
@@ -296,3 +296,5 @@ def test_bench_speed_uses_the_loaded_width_and_verifier():
     assert speed_configs(parse("--widths", "5,8", "--verifiers", "token,block"), 6) == ([5, 8], ["token", "block"])
     with pytest.raises(SystemExit):
         speed_configs(parse("--verifiers", "greedy"), 5)
+    with pytest.raises(SystemExit, match="--enable-mixed-chunk needs --concurrency"):  # before any model loads
+        cmd_speed(parse("--enable-mixed-chunk"))

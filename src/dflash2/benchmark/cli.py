@@ -58,6 +58,11 @@ def add_bench_parser(sub) -> None:
         "width (1 = the target alone), replayed on the static-slot runner (CUDA graphs on CUDA)",
     )
     s.add_argument(
+        "--enable-mixed-chunk",
+        action="store_true",
+        help="with --concurrency: every engine (the target alone's too) runs a new prompt inside a step's forward",
+    )
+    s.add_argument(
         "--adaptive",
         action="store_true",
         help="with --concurrency: each DFlash2 config again with the planner choosing its width per step",
@@ -132,6 +137,8 @@ def cmd_speed(args) -> int:
     from ..entry import load_models
     from .speed import format_table, gsm8k_test_prompts, save_rows, side_by_side
 
+    if args.enable_mixed_chunk and not args.concurrency:
+        raise SystemExit("--enable-mixed-chunk needs --concurrency (batch 1 runs one slot: no prompt joins a step)")
     target, draft, width = shape_models(args) if args.target_shape else load_models(args)
     engine_kw = {
         "disable_cuda_graph": args.disable_cuda_graph,
@@ -170,7 +177,8 @@ def cmd_speed(args) -> int:
             args.rounds,
             on_level=lambda rows: (print(engine_speed.table(rows), flush=True), engine_speed.save(rows, args.output)),
             adaptive=args.adaptive,
-            engine_kw={k: v for k, v in engine_kw.items() if k != "attention_backend"},
+            engine_kw={k: v for k, v in engine_kw.items() if k != "attention_backend"}
+            | {"enable_mixed_chunk": args.enable_mixed_chunk},
             attention_backends=(args.attention_backend,),
         )
         engine_speed.save(rows, args.output, args.plot)
