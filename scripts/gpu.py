@@ -620,7 +620,7 @@ def stage_graphs(args) -> None:
                 ("t1", SamplingParams(max_new_tokens=2, temperature=1.0, top_p=0.95, seed=0)),
             ):
                 eng.generate([x], sp)  # buffers now hold a real context
-            for (kind, B, greedy, kv_len), (step, _) in eng.runner.graphs.items():
+            for (kind, B, greedy, kv_len, *_), (step, _) in eng.runner.graphs.items():
                 times[f"w{w} {'greedy' if greedy else 't1'} {kind} kv{kv_len}"] = replay_ms(step, 200)
         print("graph replay ms (median of 200):", json.dumps({k: round(v, 3) for k, v in times.items()}), flush=True)
         report["breakdown_ms"] = times

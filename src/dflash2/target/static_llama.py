@@ -199,16 +199,18 @@ class StaticTarget:
         x = xs[0] if len(xs) == 1 else torch.cat(xs)
         h, feats = self._layers_fused(x, parts) if self.fused else self._layers(x, parts)
         # the LM head once, over each group's rows of interest: all of them, or each row's `last`
-        heads = [
-            h[p.s : p.e] if p.rows.last is None else h[p.s : p.e].view(p.B, p.L, -1)[torch.arange(p.B), p.rows.last]
+        heads = [  # (a device arange: an index from the host would be copied in, which a graph capture refuses)
+            h[p.s : p.e]
+            if p.rows.last is None
+            else h[p.s : p.e].view(p.B, p.L, -1)[torch.arange(p.B, device=h.device), p.rows.last]
             for p in parts
         ]
         logits = self.target.model.lm_head(heads[0] if len(heads) == 1 else torch.cat(heads)).float()
         out, at = [], 0
-        for p, rows in zip(parts, heads):
+        for p, head in zip(parts, heads):
             n = 1 if p.rows.last is not None else p.L
-            lg = logits[at : at + rows.shape[0]].view(p.B, n, -1)
-            at += rows.shape[0]
+            lg = logits[at : at + head.shape[0]].view(p.B, n, -1)
+            at += head.shape[0]
             f = feats[p.s : p.e].view(p.B, p.L, -1) if feats is not None else x.new_empty(p.B, p.L, 0)
             out.append((lg, f))
         return out
