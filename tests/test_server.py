@@ -103,7 +103,8 @@ def server(models, request):
         "5",
         "--model-runner",
         request.param,
-        *(["--enable-spec-usage"] if request.param == "static" else []),
+        # the static one also runs new prompts inside decode steps (--enable-mixed-chunk)
+        *(["--enable-spec-usage", "--enable-mixed-chunk"] if request.param == "static" else []),
     )
     yield url, model, tok
     proc.terminate()
@@ -137,6 +138,8 @@ def test_concurrent_greedy_equals_sequential_and_target(server):
         with torch.no_grad():
             ref = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :]
         assert text == tok.decode(ref, skip_special_tokens=True)
+    if httpx.get(url + "/server_info", timeout=60).json()["enable_mixed_chunk"]:  # some prompts joined steps
+        assert _metrics(url)["dflash2_prompts_mixed_total"] > 0
     # streamed text equals the non-streamed text
     for p, text in zip(PROMPTS[:4], together):
         stream = _chat(client, p, stream=True)
