@@ -358,6 +358,35 @@ def test_padded_prefill_equals_the_eager_prefill(llama, lengths, split):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("speculate", [True, False])
+def test_one_slot_padded_prefill_equals_the_eager_prefill(llama, speculate):
+    """Batch 1 (one slot, no pool of pages) with prefill graphs, as on CUDA: the prompt alone padded to
+    a length bucket gives the target's last logits row and the eager prefill's K/V and draft latents."""
+    t, d = llama
+    x = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    out = {}
+    for padded in (True, False):
+        runner = GraphModelRunner(t, d, 5, num_slots=1, max_len=130, cuda_graph=False, prefill_graphs=padded)
+        assert runner.prefill_buckets == ((32, 64, 128) if padded else ()) and runner.prefill_rows == (
+            (1,) if padded else ()
+        )
+        replays: list[tuple[int, int]] = []
+        inner = runner._replay_prefill
+        runner._replay_prefill = lambda chunks, R, L: replays.append((R, L)) or inner(chunks, R, L)
+        req = Request(x, SamplingParams())
+        req.speculate = speculate
+        runner.kv.grow(req, len(x) + 5)
+        lg = runner.prefill(req)
+        assert replays == ([(1, 64)] if padded else [])
+        out[padded] = (lg, runner.static.k_cache[:, 0, :, :40].clone(), runner.lat[:, 0, :40].clone())
+    with torch.no_grad():
+        torch.testing.assert_close(out[True][0], t.model(torch.tensor([x])).logits[0, -1], atol=1e-4, rtol=1e-4)
+    for a, b in zip(out[True], out[False][: 3 if speculate else 2]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # the one-slot default: graphs where they are captured (CUDA), else the exact-length eager prefill
+    assert GraphModelRunner(t, d, 5, num_slots=1, max_len=130, cuda_graph=False).prefill_buckets == ()
+
+
 @pytest.mark.parametrize("runner", ["paged", "static"])
 @pytest.mark.parametrize("method", ["token", "block"])
 def test_engine_sampled_equals_single_request_loop(llama, runner, method):

@@ -199,13 +199,16 @@ class GraphModelRunner:
         sampler: str = "auto",
         compile_draft: bool = True,
         mixed_chunk: bool = False,
+        prefill_graphs: bool | None = None,
     ):
         """``page_size`` / ``num_pages``: KV (target and draft) in a pool of pages that requests
         take as they grow (the scheduler's :class:`BlockManager`), read through per-slot block tables
         on the device; without them each slot holds ``max_len`` positions (the one-slot engine).
         ``compile_draft``: the draft's layers and latents through ``torch.compile`` where the graphs
         are captured (:meth:`DFlash2DraftModel.compile_layers`). ``mixed_chunk``: a new request's prompt
-        may run inside a step's forward (:data:`MIXED_PREFILL_LENGTHS`; paged pools only)."""
+        may run inside a step's forward (:data:`MIXED_PREFILL_LENGTHS`; paged pools only).
+        ``prefill_graphs``: first prompt chunks through padded (rows, length) buckets' functions
+        (default: with a paged pool, or one slot where graphs are captured)."""
         self.target, self.draft, self.w, self.max_len = target, draft, width, max_len
         # the widths a step may verify (the planner's choices): the full one, and 1 = the target alone
         self.verify_widths = tuple(sorted(set(verify_widths) | {width}))
@@ -295,11 +298,16 @@ class GraphModelRunner:
         self.pool = torch.cuda.graph_pool_handle() if self.use_graph else None
         # new requests' first prompt chunks, padded to (rows, length) buckets (paged pools: padded
         # positions land past the prompt or on the scratch page, as in prefill_batch; padded rows
-        # on the scratch page): ids, each row's last real position, its table
-        self.prefill_buckets = tuple(b for b in PREFILL_BUCKETS if b <= max_len) if self.paged else ()
+        # on the scratch page): ids, each row's last real position, its table. One slot (batch 1)
+        # has no scratch page and never pads rows: its prompt alone, padded to a length, where
+        # graphs are captured (eager, a padded prompt is only more work). Why: eager, an 8B prompt's
+        # prefill took ~26 ms at batch 1 on the H200, 11% of DFlash2's wall against 4% of the
+        # target alone's (docs/benchmarks.md, thirty-first session).
+        padded = self.paged or (num_slots == 1 and self.use_graph) if prefill_graphs is None else prefill_graphs
+        self.prefill_buckets = tuple(b for b in PREFILL_BUCKETS if b <= max_len) if padded else ()
         # (fewer slots than the largest rows bucket: the slot count is the largest)
         rows = {r for r in PREFILL_ROWS if r < num_slots} | {min(max(PREFILL_ROWS), num_slots)}
-        self.prefill_rows = tuple(sorted(rows)) if self.paged else ()
+        self.prefill_rows = tuple(sorted(rows)) if padded else ()
         L, R = max(self.prefill_buckets, default=0), max(self.prefill_rows, default=0)
         self.pf_ids = torch.zeros(R, L, **lng)
         self.pf_last = torch.zeros(R, **lng)
