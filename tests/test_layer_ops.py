@@ -147,8 +147,10 @@ def test_fused_refused_where_it_cannot_run():
     assert not StaticTarget(t, 64).fused  # the CPU default: unfused
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "live"])
-@pytest.mark.parametrize("arch,fused", [("llama_hd16", False), ("qwen3", False), ("llama_hd16", True)])
+@pytest.mark.parametrize(
+    "arch,fused,attention",
+    [(a, False, at) for a in ("llama_hd16", "qwen3") for at in ("sdpa", "live")] + [("llama_hd16", True, "live")],
+)
 def test_forward_rows_equals_separate_forwards(arch, fused, attention):
     """A verify block and a prefill chunk in one ``forward_rows`` (projections, MLP and LM head shared)
     give the logits, features and cache of the two forwards run apart, in float32."""
