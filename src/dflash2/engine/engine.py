@@ -572,15 +572,14 @@ class LLMEngine:
             self._emit_first_tokens()
 
     def _mixed_chunk(self) -> tuple[Request, int] | None:
-        """With ``--enable-mixed-chunk``: the oldest admitted request, when its whole prompt can run
-        inside this step's forward (within the chunked-prefill budget)."""
+        """With ``--enable-mixed-chunk``: the oldest admitted request's rest of prompt, within the
+        chunked-prefill budget, offered to the step (the runner takes it where it can)."""
         if not self.cfg.enable_mixed_chunk or not self.prefilling:
             return None
         req = self.prefilling[0]
         n = len(prefill_ids(req)) - req.prefill_pos
         size = self.cfg.chunked_prefill_size
-        fits = size is None or size < 0 or n <= size
-        return (req, n) if fits and self.runner.mixable(req, n) else None
+        return (req, n) if size is None or size < 0 or n <= size else None
 
     def _prefill_chunks(self, chunks: list[tuple[Request, int]]) -> None:
         batch = getattr(self.runner, "prefill_batch", None)

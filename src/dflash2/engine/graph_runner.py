@@ -316,9 +316,9 @@ class GraphModelRunner:
         # a batch of requests that do not draft runs the target alone: width 1 without the latent writes
         self.plain_graphs = draft is not None and 1 in self.verify_widths
         # a step's graphs may carry one new request's prompt of these (padded) lengths
-        self.mixed_lengths = tuple(L for L in MIXED_PREFILL_LENGTHS if L <= max_len) if mixed_chunk and st.paged else ()
         if mixed_chunk and not st.paged:
             raise ValueError("--enable-mixed-chunk: needs a paged KV pool (more than one running request)")
+        self.mixed_lengths = tuple(L for L in MIXED_PREFILL_LENGTHS if L <= max_len) if mixed_chunk else ()
         # kind, B, greedy, kv_len, w, and the padded length of a prompt run with the step (0: none)
         self.graphs: dict[tuple[str, int, bool, int, int, int], tuple[Replay, dict]] = {}
         # Capture every bucket now, largest first so smaller ones reuse its memory (a capture inside a

@@ -160,9 +160,6 @@ class ModelRunner:
 
     # ---- the step -------------------------------------------------------------------------------
     @torch.no_grad()
-    def mixable(self, req: Request, n: int) -> bool:
-        return False  # prompts run in their own forwards here (--enable-mixed-chunk: the static runner)
-
     def step(
         self,
         reqs: list[Request],
@@ -173,7 +170,8 @@ class ModelRunner:
     ) -> StepOutput:
         """Draft ``w - 1`` tokens per request, verify ``[anchor, drafts]`` in one target forward, keep
         what the verifier accepted (its K/V into the pool, its features into the draft context).
-        ``width`` 1: the target alone this step (no draft forward)."""
+        ``width`` 1: the target alone this step (no draft forward). ``prefill``: ignored (prompts run in
+        their own forwards here; --enable-mixed-chunk is the static runner's)."""
         t0 = time.perf_counter()
         anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=self.target.device)
         if (width or self.w) > 1:

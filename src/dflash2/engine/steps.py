@@ -252,12 +252,11 @@ class Runner(Protocol):
     def prefill(self, req, max_tokens: int | None = None) -> torch.Tensor | None: ...
 
     # overlap: host work to run while the device computes the step (before its read-back); prefill: a
-    # new request's whole prompt to run inside the step's forward where the runner can (``mixable``)
+    # new request's next prompt tokens, run inside the step's forward where the runner can (then
+    # StepOutput.prefilled holds its last logits row; else the overlap's prefill takes them)
     def step(
         self, reqs: list, sampling: BatchSampling | None, width: int | None = None, overlap=None, prefill=None
     ) -> StepOutput: ...
-
-    def mixable(self, req, n: int) -> bool: ...  # whether ``n`` prompt tokens of ``req`` can join a step
 
     def bucket(self, n: int) -> int: ...  # the batch size a step of n requests is costed under
 
