@@ -1747,7 +1747,7 @@ def stage_shape(args) -> None:
             rounds=args.rounds,
             adaptive=args.adaptive,
             on_level=keep,
-            engine_kw={"synthetic_acceptance": (rate,), "enable_mixed_chunk": args.mixed_chunk},
+            engine_kw={"synthetic_acceptance": (rate,), "enable_mixed_chunk": {"auto": None, "on": True, "off": False}[args.mixed_chunk]},
             deadline=T_START + args.deadline_s,
         )
         print(
@@ -1872,10 +1872,14 @@ def main() -> None:
     ap.add_argument("--bench-seconds", type=float, default=150)
     ap.add_argument("--fused-attention", action="store_true", help="the draft's attention by the fused kernel")
     ap.add_argument(
-        "--mixed-chunk", action="store_true", help="shape: --enable-mixed-chunk for every engine (target alone too)"
+        "--mixed-chunk",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="shape: --enable-mixed-chunk for every engine (target alone too); auto: the engine's default",
     )
     ap.add_argument("--prefill-rows", default=None, help="graph_runner.PREFILL_ROWS for this call, e.g. 1,2,4,8,16")
     ap.add_argument("--prefill-buckets", default=None, help="graph_runner.PREFILL_BUCKETS for this call")
+    ap.add_argument("--mixed-max-tokens", type=int, default=None, help="graph_runner.MIXED_MAX_STEP_TOKENS")
     args = ap.parse_args()
     if args.fused_attention:  # (off by default: model/attention.py FUSED_ATTENTION)
         from dflash2.model import attention
@@ -1890,6 +1894,10 @@ def main() -> None:
             graph_runner.PREFILL_ROWS = tuple(int(r) for r in args.prefill_rows.split(","))
         if args.prefill_buckets:
             graph_runner.PREFILL_BUCKETS = tuple(int(b) for b in args.prefill_buckets.split(","))
+    if args.mixed_max_tokens is not None:  # which steps take a new prompt (an A/B of the gate)
+        from dflash2.engine import graph_runner
+
+        graph_runner.MIXED_MAX_STEP_TOKENS = args.mixed_max_tokens
     {
         "stash": stage_stash,
         "prepare": stage_prepare,

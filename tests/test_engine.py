@@ -9,6 +9,7 @@ import torch
 
 from targets import VOCAB, build
 from test_speculative import hf_greedy, random_draft
+from dflash2.engine import graph_runner
 from dflash2.engine.engine import EngineConfig, LLMEngine
 from dflash2.engine.graph_runner import GraphModelRunner, plan_prefill
 from dflash2.engine.model_runner import ModelRunner, PagedLayer
@@ -162,10 +163,29 @@ def test_mixed_chunk_takes_whole_first_prompts_only(llama):
         GraphModelRunner(t, d, 5, num_slots=1, max_len=134, cuda_graph=False, mixed_chunk=True)
 
 
+def test_mixed_chunk_only_in_small_steps(llama, monkeypatch):
+    """A step past MIXED_MAX_STEP_TOKENS verify tokens takes no prompt (compute-bound there: the prompt
+    would add its full cost), and no mixed graph is made for it; output is unchanged."""
+    t, d = llama
+    prompts = _prompts(7, seed=13)
+    _, apart = _run(t, d, prompts, "static")
+    monkeypatch.setattr(graph_runner, "MIXED_MAX_STEP_TOKENS", 4)  # width 5: every step is past it
+    eng, gated = _run(t, d, prompts, "static", mixed_chunk=True)
+    assert eng.stats.prompts_mixed == 0
+    assert [r.output_ids for r in gated] == [r.output_ids for r in apart]
+    assert not eng.runner.mixes(1, 5) and eng.runner.mixes(4, 1)
+    monkeypatch.setattr(graph_runner, "MIXED_MAX_STEP_TOKENS", 5)
+    assert eng.runner.mixes(1, 5) and not eng.runner.mixes(2, 5)
+
+
 def test_mixed_chunk_refused_by_the_paged_runner(llama):
     t, d = llama
     with pytest.raises(ValueError, match="--enable-mixed-chunk"):
         LLMEngine(t, d, EngineConfig(max_running_requests=2, enable_mixed_chunk=True))
+    # the default is "where it applies" (graphs on CUDA): neither the paged runner nor the CPU's static one
+    assert not getattr(LLMEngine(t, d, EngineConfig(max_running_requests=2)).runner, "mixed_lengths", ())
+    static = EngineConfig(max_running_requests=2, runner="static", context_length=64, max_total_tokens=512)
+    assert LLMEngine(t, d, static).runner.mixed_lengths == ()
 
 
 def test_mixed_batch_greedy_rows_equal_target(llama):

@@ -59,9 +59,13 @@ def add_bench_parser(sub) -> None:
     )
     s.add_argument(
         "--enable-mixed-chunk",
-        action="store_true",
-        help="with --concurrency: every engine (the target alone's too) runs a new prompt inside a step's forward",
+        action="store_const",
+        const=True,
+        default=None,
+        help="with --concurrency: every engine (the target alone's too) runs a new prompt inside a small "
+        "step's forward (default: where the static runner replays CUDA graphs)",
     )
+    s.add_argument("--disable-mixed-chunk", dest="enable_mixed_chunk", action="store_const", const=False)
     s.add_argument(
         "--adaptive",
         action="store_true",

@@ -79,9 +79,11 @@ class EngineConfig:
     # of the vocabulary sorted), triton (kernels/truncate.py, sort-free: 0.21 vs 0.51 ms for 64 rows on
     # the H200) or auto: triton on CUDA in the static runner, sort elsewhere
     sampler_backend: str = "auto"
-    # SGLang's flag: a new request's whole prompt runs inside a decode step's forward, sharing its read of
-    # the weights (the static runner's paged pool: graph_runner.MIXED_PREFILL_LENGTHS)
-    enable_mixed_chunk: bool = False
+    # SGLang's flag: a new request's whole prompt runs inside a small decode step's forward, sharing its
+    # read of the weights (the static runner's paged pool: graph_runner.MIXED_PREFILL_LENGTHS). None: on
+    # where it was measured to pay, that pool replayed as CUDA graphs (8B shape, 8 requests: 2.28 ->
+    # 2.40x, docs/benchmarks.md, 32nd session); True: required (an error where it cannot apply)
+    enable_mixed_chunk: bool | None = None
 
     @classmethod
     def for_models(cls, target, draft, width: int, context_length: int | None = None, **fields) -> "EngineConfig":
@@ -257,6 +259,9 @@ class LLMEngine:
                 "--attention-backend triton: the kernel serves the static-slot runner only (a dense "
                 "Llama/Qwen/Mistral target, or --model-runner static); this one runs the paged runner"
             )
+        mixed = cfg.enable_mixed_chunk
+        if mixed is None:
+            mixed = static and pages is not None and target.device.type == "cuda" and not cfg.disable_cuda_graph
         if static:
             return GraphModelRunner(
                 target,
@@ -273,7 +278,7 @@ class LLMEngine:
                 synthetic_acceptance=cfg.synthetic_acceptance,
                 sampler=cfg.sampler_backend,
                 compile_draft=not cfg.disable_torch_compile,
-                mixed_chunk=cfg.enable_mixed_chunk,
+                mixed_chunk=mixed,
             )
         pool = BlockManager(cfg.max_total_tokens // cfg.page_size, cfg.page_size)
         return ModelRunner(target, self.draft, pool, self.width, cfg.block_verification, cfg.synthetic_acceptance)

@@ -68,6 +68,11 @@ PREFILL_GRAPH_TOKENS = 4096
 # at a time, each with a prefill of its own: 17% of the wall at 8 requests (docs/benchmarks.md,
 # thirtieth session). One more graph per length for each decode graph.
 MIXED_PREFILL_LENGTHS = (128, 256, 512)
+# ... only in steps of at most this many verify tokens (batch bucket x width): there the step reads the
+# weights anyway and the prompt rides along. At 8B, 8 requests x 5 (40) it raised the speedup 2.28 ->
+# 2.40x; at 64 x 5 (320) the step is compute-bound, the padded prompt adds its full cost and one prompt
+# a step admits slower than a batched prefill: 1.25-1.28 -> 1.19x (docs/benchmarks.md, 32nd session).
+MIXED_MAX_STEP_TOKENS = 128
 
 
 def plan_prefill(
@@ -335,8 +340,9 @@ class GraphModelRunner:
                     for B in reversed(self.buckets):
                         for mix in (0, *self.mixed_lengths):
                             for w in self.verify_widths:
-                                self._graph("verify", B, greedy, self._verify_kv(kv_len), w, mix)
-                            if self.plain_graphs:
+                                if not mix or self.mixes(B, w):
+                                    self._graph("verify", B, greedy, self._verify_kv(kv_len), w, mix)
+                            if self.plain_graphs and (not mix or self.mixes(B, 1)):
                                 self._graph("plain", B, greedy, self._verify_kv(kv_len), 1, mix)
                         if draft is not None:
                             self._graph("draft", B, greedy, kv_len)
@@ -752,6 +758,11 @@ class GraphModelRunner:
         """The verify widths a step can run: those with captured graphs."""
         return self.verify_widths
 
+    def mixes(self, B: int, width: int) -> bool:
+        """Whether a step of ``B`` rows (a bucket) at ``width`` takes a new prompt
+        (:data:`MIXED_MAX_STEP_TOKENS`)."""
+        return bool(self.mixed_lengths) and B * width <= MIXED_MAX_STEP_TOKENS
+
     def mixable(self, req: Request, n: int) -> bool:
         """Whether ``n`` prompt tokens of ``req`` can run inside a step's forward: its whole prompt,
         first chunk, no prompt logprobs (those need every row's logits), a mixed length that holds it."""
@@ -785,7 +796,12 @@ class GraphModelRunner:
         kind = "plain" if w == 1 and self.plain_graphs and not any(r.speculate for r in reqs) else "verify"
         # a prompt joins where its latents come out as it needs them (a plain step writes none)
         mix = 0
-        if prefill is not None and not (kind == "plain" and prefill[0].speculate) and self.mixable(*prefill):
+        if (
+            prefill is not None
+            and not (kind == "plain" and prefill[0].speculate)
+            and self.mixes(self.bucket(len(reqs)), w)
+            and self.mixable(*prefill)
+        ):
             mix = next(L for L in self.mixed_lengths if prefill[1] <= L)
             self._load_prefill([prefill], 1, mix)  # (seated first: the step's bucket covers its slot)
         idx, B, kv_len = self._load(reqs, sampling)

@@ -526,6 +526,8 @@ async def server_info(http: HTTPRequest):
         "served_model_name": st.model_name,
         "context_length": st.context_length,
         "speculative_num_draft_tokens": st.engine.width,
+        # what the runner does (the flag's default is "where it applies")
+        "enable_mixed_chunk": bool(getattr(st.engine.runner, "mixed_lengths", ())),
         "internal_states": [
             {
                 "avg_spec_accept_length": s.generated_tokens / s.verify_steps if s.verify_steps else 0.0,

@@ -29,9 +29,15 @@ def add_serve_parser(sub) -> None:
     )
     p.add_argument(
         "--enable-mixed-chunk",
-        action="store_true",
-        help="a new request's whole prompt (up to 512 tokens) runs inside a decode step's forward, sharing "
-        "its read of the weights (the static-slot runner with more than one running request)",
+        action="store_const",
+        const=True,
+        default=None,
+        help="a new request's whole prompt (up to 512 tokens) runs inside a small decode step's forward, "
+        "sharing its read of the weights (the static-slot runner with more than one running request; "
+        "default: on where that runner replays CUDA graphs)",
+    )
+    p.add_argument(
+        "--disable-mixed-chunk", dest="enable_mixed_chunk", action="store_const", const=False, help="never mix"
     )
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--speculative-draft-kv-cache-dtype", default="auto")
