@@ -1747,7 +1747,10 @@ def stage_shape(args) -> None:
             rounds=args.rounds,
             adaptive=args.adaptive,
             on_level=keep,
-            engine_kw={"synthetic_acceptance": (rate,), "enable_mixed_chunk": {"auto": None, "on": True, "off": False}[args.mixed_chunk]},
+            engine_kw={
+                "synthetic_acceptance": (rate,),
+                "enable_mixed_chunk": {"auto": None, "on": True, "off": False}[args.mixed_chunk],
+            },
             deadline=T_START + args.deadline_s,
         )
         print(
