@@ -132,6 +132,7 @@ def test_mixed_chunk_greedy_equals_target(width):
     for p, r in zip(prompts, reqs):
         assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
     assert eng.stats.prompts_mixed >= 4  # every admission after the first batch, bar those two at once
+    assert eng.runner.prefill_shapes["mix128"][0] == eng.stats.prompts_mixed
     assert eng.runner.occupant == []
 
 
@@ -370,6 +371,9 @@ def test_padded_prefill_equals_the_eager_prefill(llama, lengths, split):
         out[padded] = rows
         one = [(1, 64)] if len(lengths) == 1 else [(4, 64)]
         assert replays == (([(1, 64), (1, 32), (1, 32)] if split else one) if padded else [])
+        # the padding tally (bench speed's prefill_shapes): replays and real tokens by shape
+        tally = {"1x64": [1, 40], "1x32": [2, 22]} if split else {f"{one[0][0]}x64": [1, sum(lengths)]}
+        assert runner.prefill_shapes == (tally if padded else {})
     for x, (got, ref) in zip(prompts, zip(out[True], out[False])):
         with torch.no_grad():
             torch.testing.assert_close(got[0], t.model(torch.tensor([x])).logits[0, -1], atol=1e-4, rtol=1e-4)

@@ -40,6 +40,8 @@ class ConcurrencyRow:
     planner_state: dict = field(default_factory=dict)
     # mean live step ms and step count by "bucket x width" (width 0: the target alone beside a drafter)
     step_ms_by_shape: dict = field(default_factory=dict)
+    # the graph runner's padded prefills: "RxL" (rows x length) or "mixL" (in a step) -> [replays, real tokens]
+    prefill_shapes: dict = field(default_factory=dict)
     # of a step: host time outside the runner's step (the planner's choice before it, observation and
     # bookkeeping after), where a fixed width and the planner differ
     host_ms_per_step: float = 0.0
@@ -99,11 +101,17 @@ def measure(
         )
         for i in range(n)
     ]
+    shapes0 = {k: list(v) for k, v in getattr(eng.runner, "prefill_shapes", {}).items()}
     t0 = time.perf_counter()
     for r in reqs:
         eng.add_request(r)
     eng.run_until_done()
     secs = time.perf_counter() - t0
+    prefill_shapes = {
+        k: [n - shapes0.get(k, [0, 0])[0], t - shapes0.get(k, [0, 0])[1]]
+        for k, (n, t) in sorted(getattr(eng.runner, "prefill_shapes", {}).items())
+        if n > shapes0.get(k, [0, 0])[0]
+    }
     s = eng.stats
     C = sum(len(r.output_ids) for r in reqs)
     V = sum(r.verify_steps for r in reqs)
@@ -129,6 +137,7 @@ def measure(
         host_ms_per_step=1e3 * s.host_s / steps,
         plan_ms_per_step=1e3 * s.plan_s / steps,
         overlap_ms_per_step=1e3 * s.overlap_s / steps,
+        prefill_shapes=prefill_shapes,
     )
 
 
@@ -164,6 +173,7 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
         host_ms_per_step=avg("host_ms_per_step"),
         plan_ms_per_step=avg("plan_ms_per_step"),
         overlap_ms_per_step=avg("overlap_ms_per_step"),
+        prefill_shapes=rows[-1].prefill_shapes,
     )
 
 

@@ -318,6 +318,7 @@ class GraphModelRunner:
         self.pf_last = torch.zeros(R, **lng)
         self.pf_table = self.tables[:R].clone()
         self.prefill_graphs: dict[tuple[int, int, bool], tuple[Replay, dict]] = {}  # (rows, length, latents)
+        self.prefill_shapes: dict[str, list[int]] = {}  # "RxL" / "mixL": [replays, real tokens]
         # a batch of requests that do not draft runs the target alone: width 1 without the latent writes
         self.plain_graphs = draft is not None and 1 in self.verify_widths
         # a step's graphs may carry one new request's prompt of these (padded) lengths
@@ -568,7 +569,13 @@ class GraphModelRunner:
         self._load_prefill(chunks, R, L)
         replay, out = self.prefill_graphs[(R, L, self.draft is not None and any(r.speculate for r, _ in chunks))]
         replay()
+        self._count_prefill(f"{R}x{L}", chunks)
         return [self._prefilled(req, k, out["pf_logits"][b, -1]) for b, (req, k) in enumerate(chunks)]
+
+    def _count_prefill(self, shape: str, chunks: list[tuple[Request, int]]) -> None:
+        # padded replays by shape: [replays, real prompt tokens] (bench speed reports the padding)
+        n = self.prefill_shapes.setdefault(shape, [0, 0])
+        n[0], n[1] = n[0] + 1, n[1] + sum(k for _, k in chunks)
 
     def _load_prefill(self, chunks: list[tuple[Request, int]], R: int, L: int) -> None:
         """First chunks (each request seated) into ``pf_ids[:R, :L]``, ``pf_last`` and ``pf_table``."""
@@ -811,7 +818,10 @@ class GraphModelRunner:
         t1 = time.perf_counter()
         replay, out = self._graph(kind, B, greedy, self._verify_kv(kv_len), w, mix)
         replay()
-        first = self._prefilled(prefill[0], prefill[1], out["pf_logits"][0, -1]) if mix and prefill else None
+        first = None
+        if mix and prefill:
+            first = self._prefilled(prefill[0], prefill[1], out["pf_logits"][0, -1])
+            self._count_prefill(f"mix{mix}", [prefill])
         self.clock.run(overlap)  # host work while the GPU runs (replays are asynchronous on CUDA)
         res = steps.finish_step(out["rows"][idx], t0, t1, self.clock)
         res.prefilled = first
