@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .entry import add_model_flags, add_sampling_flags, load_models, sampling_from
+from .entry import add_model_flags, add_sampling_flags, add_tp_flag, load_models, sampling_from
 
 DEMO_QUESTION = (
     "A baker makes 24 muffins in the morning and 18 muffins in the afternoon. She sells 30 muffins "
@@ -42,7 +42,12 @@ def cmd_generate(args) -> int:
     target, draft, width = load_models(args)
     sp = sampling_from(args)
     ids = render(target.tokenizer, args.prompt)
-    r = one_slot_engine(target, draft, width, args, len(ids) + sp.max_new_tokens).generate([ids], sp)[0]
+    engine = one_slot_engine(target, draft, width, args, len(ids) + sp.max_new_tokens)
+    if engine.tp is not None and not engine.tp.leader:  # rank 0 prints
+        engine.follow()
+        return 0
+    r = engine.generate([ids], sp)[0]
+    engine.shutdown()
     text = target.tokenizer.decode(r.token_ids, skip_special_tokens=True)
     if args.json:
         print(
@@ -114,6 +119,7 @@ def add_decode_parsers(sub) -> None:
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("generate", help="generate for one prompt")
     add_model_flags(p)
+    add_tp_flag(p)
     add_sampling_flags(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--json", action="store_true")

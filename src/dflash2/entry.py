@@ -132,6 +132,18 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--manifest-public-key", default=None)
 
 
+def add_tp_flag(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--tp-size",
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallelism: the target's layers split over this many ranks, one process each "
+        "(`torchrun --nproc-per-node N -m dflash2.cli ...`; gloo on the CPU, NCCL on GPUs); dense "
+        "Llama-family targets, the paged runner",
+    )
+
+
 def add_sampling_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -158,6 +170,7 @@ class ModelSpec:
     verify_manifest: str | None = None
     manifest_signature: str | None = None
     manifest_public_key: str | None = None
+    tp_size: int = 1  # --tp-size (serve and generate)
 
     @classmethod
     def from_args(cls, args) -> "ModelSpec":
@@ -175,6 +188,7 @@ class ModelSpec:
             verify_manifest=args.verify_manifest,
             manifest_signature=args.manifest_signature,
             manifest_public_key=args.manifest_public_key,
+            tp_size=getattr(args, "tp_size", 1),
         )
 
 
@@ -204,8 +218,10 @@ def load(spec: ModelSpec) -> Models:
     from .model.token_map import DEFAULT_NAME as TOKEN_MAP_NAME
     from .model.token_map import load_token_map
     from .target.loading import load_target, resolve_dtype
+    from .target.tensor_parallel import init_tp
 
     device = resolve_device(spec.device)
+    tp = init_tp(spec.tp_size, device)  # first: on CUDA it picks this rank's GPU
     draft, width = None, 1
     path = Path(spec.draft_path or DEFAULT_DRAFT)
     if spec.speculative:
@@ -238,6 +254,7 @@ def load(spec: ModelSpec) -> Models:
         device,
         layer_ids=draft.config.target_layer_ids if draft else [],
         trust_remote_code=spec.trust_remote_code,
+        tp=tp,
     )
     if draft is not None:
         if (

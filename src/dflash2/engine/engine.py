@@ -18,6 +18,7 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -210,6 +211,10 @@ class LLMEngine:
         self._aborts: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stop = False
+        # tensor parallel: every rank runs this engine in lockstep; rank 0's requests, aborts and resets
+        # wait here for the next step, which hands them to every rank at once (_share_inbox)
+        self.tp = getattr(target, "tp", None)
+        self._inbox: list[tuple[str, Any]] = []
 
     def _make_runner(self) -> Runner:
         """Static slots replayed as CUDA graphs where they apply (CUDA, a dense Llama-family target,
@@ -217,6 +222,8 @@ class LLMEngine:
         1: the static forward over one slot is as fast as Hugging Face's own cache there, the paged
         runner's per-step cache rebuild is not); else the paged runner."""
         cfg, target = self.cfg, self.target
+        if getattr(target, "tp", None) is not None and cfg.runner == "static":
+            raise ValueError("--model-runner static: a target split over ranks (--tp-size) runs the paged runner")
         max_len = cfg.context_length + self.width + 1  # the last verify block may run past the context
         one_slot = cfg.max_running_requests == 1 and target.device.type == "cpu" and static_supported(target)
         static = cfg.runner == "static" or (
@@ -305,16 +312,27 @@ class LLMEngine:
                 "max_tokens",
                 "context_length_exceeded",
             )
-        req.generator = make_generator(req.sampling.seed)
-        req.accept_hist = [0] * self.width
+        if self.tp is not None and req.sampling.seed is None:  # every rank draws the same uniforms
+            req.sampling = dataclasses.replace(req.sampling, seed=int(torch.randint(0, 2**62, ()).item()))
+        self._seat(req)
         with self.lock:
-            self.scheduler.add(req)
+            if self.tp is None:
+                self.scheduler.add(req)
+            else:
+                self._inbox.append(("add", req))
         self.wake.set()
         return req
 
+    def _seat(self, req: Request) -> None:
+        req.generator = make_generator(req.sampling.seed)
+        req.accept_hist = [0] * self.width
+
     def abort(self, request_id: str) -> None:
         with self.lock:
-            self._aborts.add(request_id)
+            if self.tp is None:
+                self._aborts.add(request_id)
+            else:
+                self._inbox.append(("abort", request_id))
         self.wake.set()
 
     def start(self) -> None:
@@ -326,6 +344,43 @@ class LLMEngine:
         self.wake.set()
         if self._thread:
             self._thread.join(timeout=10)
+        if self.tp is not None and self.tp.leader:  # the other ranks leave follow()
+            self.tp.share([("stop", None)])
+
+    def follow(self) -> None:
+        """Tensor parallel, a rank other than 0: step whenever rank 0 steps, until it shuts down."""
+        while not self._stop:
+            self._guarded_step()  # as rank 0's loop does, so both fail the same requests
+
+    def _share_inbox(self) -> bool:
+        """Tensor parallel: rank 0's requests, aborts and resets since the last step, on every rank in
+        the same order, so every rank admits the same batches; False once rank 0 has shut down."""
+        assert self.tp is not None
+        if self.tp.leader:
+            with self.lock:
+                items, self._inbox = self._inbox, []
+            self.tp.share(
+                [(k, (x.request_id, x.prompt_ids, x.sampling, x.stop_strings) if k == "add" else x) for k, x in items]
+            )
+        else:
+            items = []
+            for kind, x in self.tp.share(None):
+                if kind == "add":
+                    x = Request(list(x[1]), x[2], x[3], request_id=x[0])
+                    self._seat(x)
+                items.append((kind, x))
+        with self.lock:
+            for kind, x in items:
+                if kind == "stop":
+                    self._stop = True
+                    return False
+                if kind == "add":
+                    self.scheduler.add(x)
+                elif kind == "abort":
+                    self._aborts.add(x)
+                else:  # "reset"
+                    self._reset_learning()
+        return True
 
     def _loop(self) -> None:
         while not self._stop:
@@ -334,11 +389,14 @@ class LLMEngine:
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
-            try:
-                self.step()
-            except Exception as e:  # the loop must not die: fail what was in flight, keep serving
-                log.exception("engine step failed")
-                self.fail_running(f"engine step failed: {type(e).__name__}: {e}")
+            self._guarded_step()
+
+    def _guarded_step(self) -> None:
+        try:
+            self.step()
+        except Exception as e:  # the loop must not die: fail what was in flight, keep serving
+            log.exception("engine step failed")
+            self.fail_running(f"engine step failed: {type(e).__name__}: {e}")
 
     def fail_running(self, why: str) -> None:
         with self.lock:
@@ -361,7 +419,7 @@ class LLMEngine:
         return None
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self._aborts)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._aborts or self._inbox)
 
     def run_until_done(self) -> None:
         while self.has_work():
@@ -401,6 +459,11 @@ class LLMEngine:
         sps = [SamplingParams(max_new_tokens=new_tokens, temperature=0.0, seed=0)]
         sps.append(SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_p=0.95, seed=1))
         self.generate([ids] * n, sps[:n])
+        self._reset_learning()
+        if self.tp is not None:  # the other ranks at the next step
+            self._inbox.append(("reset", None))
+
+    def _reset_learning(self) -> None:
         p = self.planner  # what it was given at start-up (the profile, the widths), nothing it learnt
         self.planner = Planner(p.width, p.cfg, profile=p.profile, widths=p.widths)
         self.stats = self._new_stats()
@@ -414,6 +477,8 @@ class LLMEngine:
         when nothing decodes), then the new requests' first tokens. Why inside the step: at 64
         requests on the H200 a prefill call after each step, with its own read-back, took 19-25% of
         the wall (docs/benchmarks.md, twenty-third session)."""
+        if self.tp is not None and not self._share_inbox():
+            return
         self._admit()
         reqs = self._decode_batch()
         if reqs:
@@ -533,6 +598,8 @@ class LLMEngine:
         s.verify_s += out.verify_s
         # the step's own wall: without what the prefill launched inside it added (OverlapClock)
         seconds = time.perf_counter() - t0 - out.overlap_s
+        if self.tp is not None:  # the planner learns rank 0's clock everywhere, so every rank chooses alike
+            seconds = self.tp.share(seconds)
         s.step_s += seconds
         s.overlap_s += out.overlap_s
         plain = self.draft is not None and not drafters  # the target alone, no drafter upkeep

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def add_serve_parser(sub) -> None:
-    from ..entry import add_model_flags
+    from ..entry import add_model_flags, add_tp_flag
 
     p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
     add_model_flags(p)
@@ -41,7 +41,7 @@ def add_serve_parser(sub) -> None:
     )
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--speculative-draft-kv-cache-dtype", default="auto")
-    p.add_argument("--tp-size", "--tp", type=int, default=1)
+    add_tp_flag(p)
     p.add_argument("--reasoning-parser", default=None)
     p.add_argument("--tool-call-parser", default=None)
     p.add_argument("--served-model-name", default=None)
@@ -113,8 +113,6 @@ def check_flags(args) -> None:
             "--kv-cache-dtype / --speculative-draft-kv-cache-dtype: only 'auto' is supported so far "
             "(fp8_e4m3 KV caches are not implemented)"
         )
-    if args.tp_size != 1:
-        raise SystemExit(f"--tp-size {args.tp_size}: tensor parallelism is not implemented; use --tp-size 1")
     if args.reasoning_parser not in (None, "deepseek-r1", "qwen3", "kimi", "kimi_k2"):
         raise SystemExit(f"--reasoning-parser {args.reasoning_parser!r}: supported: deepseek-r1, qwen3, kimi, kimi_k2")
     if args.tool_call_parser not in (None, "hermes", "kimi_k2", "qwen", "qwen25"):
@@ -189,6 +187,9 @@ def cmd_serve(args) -> int:
     cfg = engine_config(args, target, draft, width)
     ctx = cfg.context_length
     engine = LLMEngine(target, draft, cfg)
+    if engine.tp is not None and not engine.tp.leader:  # rank 0 serves; this rank steps with it
+        engine.follow()
+        return 0
     if not args.skip_server_warmup:
         engine.warm_up()
     engine.start()

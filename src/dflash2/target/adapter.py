@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from . import recurrent
+from .tensor_parallel import TPGroup
 
 
 class UnsupportedTargetError(RuntimeError):
@@ -79,12 +80,14 @@ class TargetModel:
         ) in ("mamba", "mamba2", "falcon_mamba")
         # per-position states where the kernels are known; snapshot + replay otherwise
         self.per_position_states = self.is_hybrid and recurrent.install(model)
+        self.tp: TPGroup | None = None  # this rank's place when the layers are split (tensor_parallel.py)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token over every layer, at the model's dtype (a full-attention estimate)."""
+        """K and V of one token over every layer on this rank, at the model's dtype (a full-attention
+        estimate)."""
         cfg = self.config
-        kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+        kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads) // (self.tp.size if self.tp else 1)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return 2 * cfg.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
 

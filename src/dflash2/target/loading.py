@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .adapter import TargetModel
+from .tensor_parallel import TPGroup, check_shardable, shard_target
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_CACHE = Path(os.environ.get("DFLASH2_CACHE", REPO_ROOT / ".cache"))
@@ -93,6 +94,7 @@ def load_target(
     device: str = "cpu",
     layer_ids: list[int] | None = None,
     trust_remote_code: bool = False,
+    tp: TPGroup | None = None,
 ) -> TargetModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -105,8 +107,22 @@ def load_target(
         kw, folder = {}, path
     else:
         raise FileNotFoundError(f"--model-path {path}: expected a folder with config.json or a .gguf file")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, trust_remote_code=trust_remote_code, **kw)
+
+    if tp is not None:  # refused on every rank at once, before any rank reads the weights
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code, **kw)
+        with torch.device("meta"):
+            check_shardable(AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code), tp.size)
+
+    def whole():
+        return AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch_dtype, trust_remote_code=trust_remote_code, **kw
+        )
+
+    model = whole() if tp is None else tp.in_turn(lambda: shard_target(whole(), tp).to(device))
     tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kw)
     target = TargetModel(model.to(device), tok, layer_ids)
+    target.tp = tp
     target.use_fast_cpu_kernels()
     return target

@@ -67,6 +67,8 @@ def unsupported_reason(target: TargetModel) -> str | None:
         return f"model_type {kind!r} (static forward: {', '.join(SUPPORTED_TYPES)})"
     if target.is_hybrid:
         return "a hybrid (recurrent) target"
+    if target.tp is not None:
+        return "a target split over ranks (--tp-size; the paged runner serves it)"
     types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
     window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
     if types != {"full_attention"} or window:

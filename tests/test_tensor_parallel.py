@@ -1,0 +1,185 @@
+"""Tensor parallelism (``--tp-size``): the target's layers split over two gloo ranks on the CPU, the
+engine in lockstep on both. Lossless: the split target's greedy output is the whole target's, DFlash2
+over it equals it token for token, and sampled output equals the unsplit engine's for the same seeds."""
+
+import copy
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+
+from targets import build
+from test_engine import _prompts
+from test_server import REPO, models  # noqa: F401 (a fixture)
+from test_speculative import hf_greedy, random_draft
+from dflash2.engine.engine import EngineConfig, LLMEngine
+from dflash2.engine.request import Request
+from dflash2.target import TargetModel
+from dflash2.target.tensor_parallel import TensorParallelError, TPGroup, init_tp, shard_reason, shard_target
+from dflash2.verification import SamplingParams
+
+warnings.filterwarnings("ignore")
+MAX_NEW = (30, 12, 21, 7)
+
+
+def _engine(target, draft, sampled: bool, planner: str = "off", block: bool = False) -> LLMEngine:
+    return LLMEngine(
+        target,
+        draft,
+        EngineConfig(
+            max_running_requests=3,
+            speculative=draft is not None,
+            num_draft_tokens=5,
+            block_verification=block,
+            context_length=128,
+            max_total_tokens=4096,
+            page_size=8,
+            speculative_planner=planner,
+        ),
+    )
+
+
+def _requests(prompts, sampled: bool, seeds=None) -> list[Request]:
+    return [
+        Request(
+            p.tolist(),
+            SamplingParams(
+                temperature=1.0 if sampled else 0.0,
+                top_p=0.9 if sampled else 1.0,
+                max_new_tokens=MAX_NEW[i % len(MAX_NEW)],
+                seed=None if seeds is None else seeds[i],
+            ),
+        )
+        for i, p in enumerate(prompts)
+    ]
+
+
+def _lockstep(eng: LLMEngine, prompts, sampled: bool, abort_last: bool = False, warm_up: bool = False):
+    """Rank 0 drives the engine (and aborts its last request after a few steps); the other rank
+    follows. Returns rank 0's requests (None elsewhere) and what every rank's counters saw."""
+    reqs = None
+    if eng.tp.leader:
+        if warm_up:
+            eng.warm_up()
+        reqs = [eng.add_request(r) for r in _requests(prompts, sampled)]
+        for _ in range(3 if abort_last else 0):
+            eng.step()
+        if abort_last:
+            eng.abort(reqs[-1].request_id)
+        eng.run_until_done()
+        eng.shutdown()
+    else:
+        eng.follow()
+    s = eng.stats
+    return reqs, (s.steps, s.verify_steps, dict(s.steps_by_width), list(s.accepted_by_position), s.drafts_proposed)
+
+
+def _tp_rank(rank: int, port: int, queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    try:
+        tp = init_tp(2, "cpu")
+        model = build("llama", seed=3)
+        whole = TargetModel(copy.deepcopy(model), layer_ids=[0, 2])
+        draft = random_draft(whole, 3).draft
+        shard_target(model, tp)
+        split = TargetModel(model, layer_ids=[0, 2])
+        split.tp = tp
+        ids = torch.randint(3, 96, (2, 17), generator=torch.Generator().manual_seed(0))
+        logits_diff = (split.model(ids).logits - whole.model(ids).logits).abs().max().item()
+        prompts = _prompts(7, seed=11)
+        runs = {
+            "target": _lockstep(_engine(split, None, False), prompts, False),
+            "greedy": _lockstep(_engine(split, draft, False), prompts, False),
+            "sampled": _lockstep(_engine(split, draft, True), prompts, True, abort_last=True),
+            "block_auto": _lockstep(_engine(split, draft, True, "auto", True), prompts, True, warm_up=True),
+        }
+        out = {"logits_diff": logits_diff, "stats": {k: v[1] for k, v in runs.items()}}
+        if tp.leader:
+            out["outputs"] = {
+                k: [(r.output_ids, r.accept_hist, r.finish_reason) for r in v[0]] for k, v in runs.items()
+            }
+            out["hf"] = [hf_greedy(whole, p, MAX_NEW[i % len(MAX_NEW)]) for i, p in enumerate(prompts)]
+            seeds = [r.sampling.seed for r in runs["sampled"][0]]
+            ref = _engine(whole, draft, True)
+            ref_reqs = [ref.add_request(r) for r in _requests(prompts[:-1], True, seeds)]
+            ref.run_until_done()
+            out["whole_sampled"] = [(r.output_ids, r.accept_hist) for r in ref_reqs]
+        queue.put((rank, out))
+    except BaseException as e:  # the parent reports it rather than waiting out its timeout
+        queue.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+        raise
+
+
+def test_two_ranks_are_lossless_and_in_lockstep():
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_tp_rank, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(queue.get(timeout=300) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():  # a rank stuck in a collective its peer never joined
+                p.kill()
+    assert "error" not in got[0] and "error" not in got[1], (got[0].get("error"), got[1].get("error"))
+    assert all(p.exitcode == 0 for p in procs)
+    lead, follower = got[0], got[1]
+    assert lead["logits_diff"] < 1e-5 and follower["logits_diff"] < 1e-5  # the split sums what the whole adds
+    # every rank ran the same steps at the same widths with the same acceptances (the planner's too)
+    assert lead["stats"] == follower["stats"]
+    assert lead["stats"]["block_auto"][0] > 0
+    out = lead["outputs"]
+    assert [o for o, _, _ in out["target"]] == lead["hf"]  # the split target greedy = the whole one's
+    assert [o for o, _, _ in out["greedy"]] == lead["hf"]  # DFlash2 over it: the target's own
+    assert out["sampled"][-1][2] == "abort"
+    assert [(o, h) for o, h, _ in out["sampled"][:-1]] == lead["whole_sampled"]  # same seeds, same tokens
+    assert all(f in ("stop", "length") for _, _, f in out["block_auto"])
+
+
+def test_split_refusals_name_the_reason(monkeypatch):
+    assert shard_reason(build("llama"), 2) is None
+    assert "num_attention_heads = 4 is not a multiple of --tp-size 3" in shard_reason(build("llama"), 3)
+    assert "no self_attn.q_proj" in shard_reason(build("deepseek_v3"), 2)  # MLA + experts
+    assert "layer types" in shard_reason(build("kimi_linear"), 2)
+
+    with pytest.raises(TensorParallelError, match="not a multiple"):
+        shard_target(build("llama"), TPGroup(rank=0, size=3))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(TensorParallelError, match="torchrun --nproc-per-node 2"):
+        init_tp(2, "cpu")
+    assert init_tp(1, "cpu") is None
+
+
+def test_torchrun_generate_equals_the_target_alone(models):  # noqa: F811 (the fixture)
+    """``torchrun --nproc-per-node 2 -m dflash2.cli generate --tp 2``: rank 0 prints DFlash2's greedy
+    output over the split target, which is the whole target's own."""
+    import json
+    import subprocess
+    import sys
+
+    root = models[0]
+    args = ["generate", "--model-path", str(root / "target"), "--speculative-draft-model-path", str(root / "draft")]
+    args += ["--dtype", "float32", "--prompt", "Count to ten.", "--max-new-tokens", "24", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = lambda *cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    alone = run(sys.executable, "-m", "dflash2.cli", *args, "--speculative-algorithm", "NONE")
+    split = run(
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "dflash2.cli", *args, "--tp", "2"
+    )
+    assert alone.returncode == 0 and split.returncode == 0, split.stderr[-2000:]
+    want = json.loads(alone.stdout.strip().splitlines()[-1])["token_ids"]
+    lines = [ln for ln in split.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1  # rank 0 alone prints
+    assert json.loads(lines[0])["token_ids"] == want and len(want) > 0
