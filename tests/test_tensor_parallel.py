@@ -24,7 +24,7 @@ warnings.filterwarnings("ignore")
 MAX_NEW = (30, 12, 21, 7)
 
 
-def _engine(target, draft, sampled: bool, planner: str = "off", block: bool = False) -> LLMEngine:
+def _engine(target, draft, planner: str = "off", block: bool = False, runner: str = "paged") -> LLMEngine:
     return LLMEngine(
         target,
         draft,
@@ -37,6 +37,7 @@ def _engine(target, draft, sampled: bool, planner: str = "off", block: bool = Fa
             max_total_tokens=4096,
             page_size=8,
             speculative_planner=planner,
+            runner=runner,
         ),
     )
 
@@ -56,14 +57,14 @@ def _requests(prompts, sampled: bool, seeds=None) -> list[Request]:
     ]
 
 
-def _lockstep(eng: LLMEngine, prompts, sampled: bool, abort_last: bool = False, warm_up: bool = False):
+def _lockstep(eng: LLMEngine, prompts, sampled: bool, abort_last: bool = False, warm_up: bool = False, seeds=None):
     """Rank 0 drives the engine (and aborts its last request after a few steps); the other rank
     follows. Returns rank 0's requests (None elsewhere) and what every rank's counters saw."""
     reqs = None
     if eng.tp.leader:
         if warm_up:
             eng.warm_up()
-        reqs = [eng.add_request(r) for r in _requests(prompts, sampled)]
+        reqs = [eng.add_request(r) for r in _requests(prompts, sampled, seeds)]
         for _ in range(3 if abort_last else 0):
             eng.step()
         if abort_last:
@@ -93,19 +94,21 @@ def _tp_rank(rank: int, port: int, queue) -> None:
         logits_diff = (split.model(ids).logits - whole.model(ids).logits).abs().max().item()
         prompts = _prompts(7, seed=11)
         runs = {
-            "target": _lockstep(_engine(split, None, False), prompts, False),
-            "greedy": _lockstep(_engine(split, draft, False), prompts, False),
-            "sampled": _lockstep(_engine(split, draft, True), prompts, True, abort_last=True),
-            "block_auto": _lockstep(_engine(split, draft, True, "auto", True), prompts, True, warm_up=True),
+            "target": _lockstep(_engine(split, None), prompts, False),
+            "greedy": _lockstep(_engine(split, draft), prompts, False),
+            "sampled": _lockstep(_engine(split, draft), prompts, True, abort_last=True),
+            "block_auto": _lockstep(_engine(split, draft, "auto", True), prompts, True, warm_up=True),
+            "static_greedy": _lockstep(_engine(split, draft, runner="static"), prompts, False),
         }
+        seeds = tp.share([r.sampling.seed for r in runs["sampled"][0]] if tp.leader else None)
+        runs["static_sampled"] = _lockstep(_engine(split, draft, runner="static"), prompts, True, seeds=seeds)
         out = {"logits_diff": logits_diff, "stats": {k: v[1] for k, v in runs.items()}}
         if tp.leader:
             out["outputs"] = {
                 k: [(r.output_ids, r.accept_hist, r.finish_reason) for r in v[0]] for k, v in runs.items()
             }
             out["hf"] = [hf_greedy(whole, p, MAX_NEW[i % len(MAX_NEW)]) for i, p in enumerate(prompts)]
-            seeds = [r.sampling.seed for r in runs["sampled"][0]]
-            ref = _engine(whole, draft, True)
+            ref = _engine(whole, draft)
             ref_reqs = [ref.add_request(r) for r in _requests(prompts[:-1], True, seeds)]
             ref.run_until_done()
             out["whole_sampled"] = [(r.output_ids, r.accept_hist) for r in ref_reqs]
@@ -143,8 +146,10 @@ def test_two_ranks_are_lossless_and_in_lockstep():
     out = lead["outputs"]
     assert [o for o, _, _ in out["target"]] == lead["hf"]  # the split target greedy = the whole one's
     assert [o for o, _, _ in out["greedy"]] == lead["hf"]  # DFlash2 over it: the target's own
+    assert [o for o, _, _ in out["static_greedy"]] == lead["hf"]  # the static-slot runner's forward too
     assert out["sampled"][-1][2] == "abort"
     assert [(o, h) for o, h, _ in out["sampled"][:-1]] == lead["whole_sampled"]  # same seeds, same tokens
+    assert [(o, h) for o, h, _ in out["static_sampled"][:-1]] == lead["whole_sampled"]
     assert all(f in ("stop", "length") for _, _, f in out["block_auto"])
 
 

@@ -222,8 +222,6 @@ class LLMEngine:
         1: the static forward over one slot is as fast as Hugging Face's own cache there, the paged
         runner's per-step cache rebuild is not); else the paged runner."""
         cfg, target = self.cfg, self.target
-        if getattr(target, "tp", None) is not None and cfg.runner == "static":
-            raise ValueError("--model-runner static: a target split over ranks (--tp-size) runs the paged runner")
         max_len = cfg.context_length + self.width + 1  # the last verify block may run past the context
         one_slot = cfg.max_running_requests == 1 and target.device.type == "cpu" and static_supported(target)
         static = cfg.runner == "static" or (

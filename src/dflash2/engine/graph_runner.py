@@ -169,6 +169,12 @@ def cuda_graphs_apply(target: TargetModel, disable_cuda_graph: bool = False) -> 
     target, graphs not disabled. Says why when a CUDA target cannot have them."""
     if disable_cuda_graph or target.device.type != "cuda":
         return False
+    if target.tp is not None:
+        warnings.warn(
+            "CUDA graphs off: a target split over ranks (--tp-size) has not been captured on GPUs yet "
+            "(--model-runner static captures it all the same)"
+        )
+        return False
     reason = unsupported_reason(target)
     if reason:
         warnings.warn(f"CUDA graphs off: the static forward does not support {reason}")
@@ -365,6 +371,8 @@ class GraphModelRunner:
                 self._capture_prefill(R, L)
         # seconds per padded prefill shape (graphs only: the plan then weighs padding against replays)
         self.prefill_cost = self._time_prefill() if self.prefill_graphed and len(self.prefill_rows) > 1 else {}
+        if target.tp is not None:  # every rank plans its prefills by rank 0's clock, so all plan alike
+            self.prefill_cost = target.tp.share(self.prefill_cost)
 
     # ---- slots --------------------------------------------------------------------------------
     def _index(self, reqs: list[Request]) -> tuple[torch.Tensor | slice, int, int]:

@@ -658,16 +658,30 @@ def cached_profile(runner, target, draft) -> dict[tuple[int, int], float]:
         "graphs": runner.use_graph,
         "plain": getattr(runner, "plain_graphs", False),  # width 0 (the target alone) profiled too
     }
+    tp = getattr(target, "tp", None)  # split over ranks: rank 0's file and clock serve every rank
+    if tp is not None:
+        ident["tp"] = tp.size
     key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:24]
     path = _cache_dir() / f"{key}.json"
-    try:
-        return {(int(b), int(w)): float(t) for b, w, t in json.loads(path.read_text())["costs"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    costs = None
+    if tp is None or tp.leader:
+        try:
+            costs = {(int(b), int(w)): float(t) for b, w, t in json.loads(path.read_text())["costs"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    if tp is not None:  # every rank profiles (each replay sums over the ranks) or none does
+        costs = tp.share(costs)
+    if costs is not None:
+        return costs
     costs = runner.profile()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"ident": ident, "costs": [[b, w, t] for (b, w), t in costs.items()]}, default=str))
-    except OSError:  # a read-only home: profile again next time
-        pass
+    if tp is not None:
+        costs = tp.share(costs)
+    if tp is None or tp.leader:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(
+                json.dumps({"ident": ident, "costs": [[b, w, t] for (b, w), t in costs.items()]}, default=str)
+            )
+        except OSError:  # a read-only home: profile again next time
+            pass
     return costs

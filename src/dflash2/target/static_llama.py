@@ -67,8 +67,6 @@ def unsupported_reason(target: TargetModel) -> str | None:
         return f"model_type {kind!r} (static forward: {', '.join(SUPPORTED_TYPES)})"
     if target.is_hybrid:
         return "a hybrid (recurrent) target"
-    if target.tp is not None:
-        return "a target split over ranks (--tp-size; the paged runner serves it)"
     types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
     window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
     if types != {"full_attention"} or window:
@@ -113,7 +111,9 @@ class StaticTarget:
         self.inner = target.model.model
         attn = self.inner.layers[0].self_attn
         self.head_dim = attn.head_dim
-        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        # this rank's heads (tensor_parallel.py); o_proj and down_proj sum the ranks' shares
+        ranks = target.tp.size if target.tp is not None else 1
+        self.n_heads, self.n_kv = cfg.num_attention_heads // ranks, cfg.num_key_value_heads // ranks
         self.scaling = getattr(attn, "scaling", self.head_dim**-0.5)
         self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.slots = slots
