@@ -140,7 +140,7 @@ def add_tp_flag(ap: argparse.ArgumentParser) -> None:
         default=1,
         help="tensor parallelism: the target's layers split over this many ranks, one process each "
         "(`torchrun --nproc-per-node N -m dflash2.cli ...`; gloo on the CPU, NCCL on GPUs); dense "
-        "Llama-family targets, the paged runner",
+        "Llama-family targets (Llama, Qwen2, Qwen3, Mistral), without CUDA graphs so far",
     )
 
 
