@@ -12,7 +12,7 @@ import torch
 
 from targets import build
 from test_engine import _prompts
-from test_server import REPO, models  # noqa: F401 (a fixture)
+from test_server import REPO
 from test_speculative import hf_greedy, random_draft
 from dflash2.engine.engine import EngineConfig, LLMEngine
 from dflash2.engine.request import Request
@@ -167,7 +167,7 @@ def test_split_refusals_name_the_reason(monkeypatch):
     assert init_tp(1, "cpu") is None
 
 
-def test_torchrun_generate_equals_the_target_alone(models):  # noqa: F811 (the fixture)
+def test_torchrun_generate_equals_the_target_alone(models):
     """``torchrun --nproc-per-node 2 -m dflash2.cli generate --tp 2``: rank 0 prints DFlash2's greedy
     output over the split target, which is the whole target's own."""
     import json
@@ -188,3 +188,33 @@ def test_torchrun_generate_equals_the_target_alone(models):  # noqa: F811 (the f
     lines = [ln for ln in split.stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1  # rank 0 alone prints
     assert json.loads(lines[0])["token_ids"] == want and len(want) > 0
+
+
+def test_torchrun_serve_tp(models):
+    """``torchrun --nproc-per-node 2 -m dflash2.cli serve --tp 2``: rank 0 serves, rank 1 steps with it;
+    greedy output is the whole target's own (planner auto, the server's default), a sampled request
+    runs."""
+    import httpx
+
+    from dflash2.server.launch import spawn_server
+
+    root, model, tok = models
+    args = ["--model-path", str(root / "target"), "--speculative-draft-model-path", str(root / "draft")]
+    args += ["--dtype", "float32", "--context-length", "256", "--max-running-requests", "4", "--tp", "2"]
+    proc, url = spawn_server(args, REPO, ranks=2)
+    try:
+        ids = tok("Once upon a time")["input_ids"]
+        want = hf_greedy(TargetModel(model), torch.tensor(ids), 20)
+        post = lambda sp: httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=300)
+        greedy = post({"max_new_tokens": 20, "temperature": 0}).json()
+        assert greedy["output_ids"] == want
+        # (the planner's widths follow rank 0's clock, so a seeded request need not repeat: sampled, it runs)
+        hot = post({"max_new_tokens": 20, "temperature": 1.0, "ignore_eos": True}).json()
+        assert len(hot["output_ids"]) == 20
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except Exception:
+            proc.kill()
+            raise

@@ -217,9 +217,10 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def spawn_server(serve_args: list[str], cwd, tries: int = 240):
+def spawn_server(serve_args: list[str], cwd, tries: int = 240, ranks: int = 1):
     """``dflash2 serve`` as a child process on a free loopback port, returned once ``/health`` answers:
-    ``(process, base url)`` (tests and scripts that measure a live server)."""
+    ``(process, base url)`` (tests and scripts that measure a live server). ``ranks`` > 1: under
+    torchrun, one process a rank (add ``--tp-size ranks``)."""
     import socket
     import subprocess
     import sys
@@ -230,8 +231,11 @@ def spawn_server(serve_args: list[str], cwd, tries: int = 240):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "dflash2.cli", "serve", *serve_args, "--port", str(port)]
+    if ranks > 1:  # torchrun's module form
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), *cmd[1:]]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash2.cli", "serve", *serve_args, "--port", str(port)],
+        cmd,
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

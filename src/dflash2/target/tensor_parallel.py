@@ -38,6 +38,7 @@ class TPGroup:
 
     rank: int
     size: int
+    control: Any = None  # the group that carries share()'s objects (None: the default one)
 
     @property
     def leader(self) -> bool:
@@ -54,13 +55,13 @@ class TPGroup:
         for r in range(self.size):
             if r == self.rank:
                 out = fn()
-            dist.barrier()
+            dist.barrier(group=self.control)
         return cast(T, out)
 
     def share(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (the others pass anything)."""
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
 
@@ -84,7 +85,10 @@ def init_tp(tp_size: int, device: str) -> TPGroup | None:
         dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(days=365))
     if dist.get_world_size() != tp_size:
         raise TensorParallelError(f"--tp-size {tp_size}: the process group has {dist.get_world_size()} ranks")
-    return TPGroup(dist.get_rank(), tp_size)
+    # rank 0's messages (requests, step times) over gloo even beside NCCL, as vLLM's CPU group: a
+    # pickled object through NCCL is a host-device copy and a synchronisation each way, every step
+    control = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    return TPGroup(dist.get_rank(), tp_size, control)
 
 
 def shard_reason(model, size: int) -> str | None:
