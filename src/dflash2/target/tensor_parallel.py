@@ -93,8 +93,6 @@ def init_tp(tp_size: int, device: str) -> TPGroup | None:
 
 def shard_reason(model, size: int) -> str | None:
     """Why ``model`` cannot be split ``size`` ways, or None."""
-    from .adapter import _decoder_layers
-
     cfg = model.config
     types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
     if types - {"full_attention", "sliding_attention"}:
@@ -103,7 +101,10 @@ def shard_reason(model, size: int) -> str | None:
         n = getattr(cfg, name, None)
         if not isinstance(n, int) or n % size:
             return f"{name} = {n} is not a multiple of --tp-size {size}"
-    for i, layer in enumerate(_decoder_layers(model)):
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        return "no model.layers (the Llama family's layout)"
+    for i, layer in enumerate(layers):
         for part, rows, col in _SPLITS:
             mod = getattr(layer, part, None)
             for name in (*rows, col):
@@ -128,10 +129,8 @@ def shard_target(model, tp: TPGroup):
     """Keep this rank's slice of every decoder layer of ``model`` (in place; returns it), with an
     all-reduce after each o / down projection. Raises :class:`TensorParallelError` naming what cannot
     be split."""
-    from .adapter import _decoder_layers
-
     check_shardable(model, tp.size)
-    for layer in _decoder_layers(model):
+    for layer in model.model.layers:
         for part, rows, col in _SPLITS:
             mod = getattr(layer, part)
             for name in rows:
