@@ -61,9 +61,9 @@ def _lockstep(eng: LLMEngine, prompts, sampled: bool, abort_last: bool = False, 
     """Rank 0 drives the engine (and aborts its last request after a few steps); the other rank
     follows. Returns rank 0's requests (None elsewhere) and what every rank's counters saw."""
     reqs = None
+    if warm_up:  # on every rank, as generate()
+        eng.warm_up()
     if eng.tp.leader:
-        if warm_up:
-            eng.warm_up()
         reqs = [eng.add_request(r) for r in _requests(prompts, sampled, seeds)]
         for _ in range(3 if abort_last else 0):
             eng.step()
@@ -100,9 +100,13 @@ def _tp_rank(rank: int, port: int, queue) -> None:
             "block_auto": _lockstep(_engine(split, draft, "auto", True), prompts, True, warm_up=True),
             "static_greedy": _lockstep(_engine(split, draft, runner="static"), prompts, False),
         }
+        # offline generate(), called on every rank: each returns the same results (sampled, seeds drawn by rank 0)
+        hot = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12)
+        spmd = _engine(split, draft).generate([p.tolist() for p in prompts], hot)
         seeds = tp.share([r.sampling.seed for r in runs["sampled"][0]] if tp.leader else None)
         runs["static_sampled"] = _lockstep(_engine(split, draft, runner="static"), prompts, True, seeds=seeds)
         out = {"logits_diff": logits_diff, "stats": {k: v[1] for k, v in runs.items()}}
+        out["spmd"] = [(g.token_ids, g.accept_hist) for g in spmd]
         if tp.leader:
             out["outputs"] = {
                 k: [(r.output_ids, r.accept_hist, r.finish_reason) for r in v[0]] for k, v in runs.items()
@@ -142,6 +146,7 @@ def test_two_ranks_are_lossless_and_in_lockstep():
     assert lead["logits_diff"] < 1e-5 and follower["logits_diff"] < 1e-5  # the split sums what the whole adds
     # every rank ran the same steps at the same widths with the same acceptances (the planner's too)
     assert lead["stats"] == follower["stats"]
+    assert lead["spmd"] == follower["spmd"] and len(lead["spmd"]) == 7
     assert lead["stats"]["block_auto"][0] > 0
     out = lead["outputs"]
     assert [o for o, _, _ in out["target"]] == lead["hf"]  # the split target greedy = the whole one's

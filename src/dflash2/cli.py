@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
     args = build_parser().parse_args(argv)
+    if getattr(args, "tp_size", 1) > 1 and os.environ.get("RANK", "0") != "0":
+        sys.stdout = open(os.devnull, "w")  # every rank runs the command; rank 0 prints
     from .config import ConfigError
     from .model.checkpoint import CheckpointError
     from .model.token_map import TokenMapError

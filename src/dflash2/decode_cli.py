@@ -42,12 +42,7 @@ def cmd_generate(args) -> int:
     target, draft, width = load_models(args)
     sp = sampling_from(args)
     ids = render(target.tokenizer, args.prompt)
-    engine = one_slot_engine(target, draft, width, args, len(ids) + sp.max_new_tokens)
-    if engine.tp is not None and not engine.tp.leader:  # rank 0 prints
-        engine.follow()
-        return 0
-    r = engine.generate([ids], sp)[0]
-    engine.shutdown()
+    r = one_slot_engine(target, draft, width, args, len(ids) + sp.max_new_tokens).generate([ids], sp)[0]
     text = target.tokenizer.decode(r.token_ids, skip_special_tokens=True)
     if args.json:
         print(
@@ -114,6 +109,7 @@ def cmd_run(args) -> int:
 def add_decode_parsers(sub) -> None:
     p = sub.add_parser("run", help="main job: default target + shipped drafter vs the target alone, on the CPU")
     add_model_flags(p)
+    add_tp_flag(p)
     p.add_argument("--question", default=DEMO_QUESTION)
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.set_defaults(fn=cmd_run)

@@ -211,10 +211,11 @@ class LLMEngine:
         self._aborts: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stop = False
-        # tensor parallel: every rank runs this engine in lockstep; rank 0's requests, aborts and resets
-        # wait here for the next step, which hands them to every rank at once (_share_inbox)
+        # tensor parallel: every rank runs this engine in lockstep; rank 0's requests and aborts wait
+        # here for the next step, which hands them to every rank at once (_share_inbox)
         self.tp = getattr(target, "tp", None)
         self._inbox: list[tuple[str, Any]] = []
+        self._followed: list[Request] | None = None  # a following rank's copies of rank 0's requests
 
     def _make_runner(self) -> Runner:
         """Static slots replayed as CUDA graphs where they apply (CUDA, a dense Llama-family target,
@@ -345,10 +346,13 @@ class LLMEngine:
         if self.tp is not None and self.tp.leader:  # the other ranks leave follow()
             self.tp.share([("stop", None)])
 
-    def follow(self) -> None:
-        """Tensor parallel, a rank other than 0: step whenever rank 0 steps, until it shuts down."""
-        while not self._stop:
+    def follow(self) -> list[Request]:
+        """Tensor parallel, a rank other than 0: step whenever rank 0 steps, until it shuts down (or
+        its :meth:`generate` call ends); returns this rank's copies of the requests rank 0 added."""
+        followed = self._followed = []
+        while self._followed is not None and not self._stop:
             self._guarded_step()  # as rank 0's loop does, so both fail the same requests
+        return followed
 
     def _share_inbox(self) -> bool:
         """Tensor parallel: rank 0's requests, aborts and resets since the last step, on every rank in
@@ -369,15 +373,16 @@ class LLMEngine:
                 items.append((kind, x))
         with self.lock:
             for kind, x in items:
-                if kind == "stop":
-                    self._stop = True
+                if kind in ("stop", "done"):  # rank 0 shut down, or its generate() call returned
+                    self._stop = self._stop or kind == "stop"
+                    self._followed = None
                     return False
                 if kind == "add":
                     self.scheduler.add(x)
-                elif kind == "abort":
+                    if self._followed is not None:
+                        self._followed.append(x)
+                else:  # "abort"
                     self._aborts.add(x)
-                else:  # "reset"
-                    self._reset_learning()
         return True
 
     def _loop(self) -> None:
@@ -428,10 +433,16 @@ class LLMEngine:
     ) -> list[GenerationResult]:
         """Offline generation (vLLM's ``LLM.generate``; the engine thread must not be running): every
         prompt through the engine, results in order, timed from when each was added. Batch 1 is one
-        prompt at a time through an engine with one slot."""
-        sps = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        reqs = [self.add_request(Request(list(p), sp)) for p, sp in zip(prompts, sps)]
-        self.run_until_done()
+        prompt at a time through an engine with one slot. Tensor parallel: every rank calls it (the
+        same program on every rank); rank 0's requests run, and each rank returns their results."""
+        if self.tp is not None and not self.tp.leader:
+            reqs = self.follow()
+        else:
+            sps = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+            reqs = [self.add_request(Request(list(p), sp)) for p, sp in zip(prompts, sps)]
+            self.run_until_done()
+            if self.tp is not None:  # the other ranks return from generate() too
+                self.tp.share([("done", None)])
         for r in reqs:
             if r.finish_reason == "error":
                 raise RuntimeError(f"request {r.request_id} failed: {r.error}")
@@ -447,7 +458,8 @@ class LLMEngine:
         set-up: the first steps of a run cost several times the later ones). Then the planner and the
         counters start afresh: neither those steps' costs nor the made-up prompt's acceptance count.
         Through the server at 16 requests, T=1, on the CPU it did not move auto/none measurably (0.97x
-        without, 0.975x with: docs/benchmarks.md, twenty-eighth session). Called before :meth:`start`."""
+        without, 0.975x with: docs/benchmarks.md, twenty-eighth session). Called before :meth:`start` (on
+        every rank under tensor parallelism, as :meth:`generate`)."""
         n = min(2, self.cfg.max_running_requests)
         prompt_tokens = min(prompt_tokens, self.cfg.context_length - new_tokens - self.width - 1)
         if prompt_tokens < 1:
@@ -457,11 +469,6 @@ class LLMEngine:
         sps = [SamplingParams(max_new_tokens=new_tokens, temperature=0.0, seed=0)]
         sps.append(SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_p=0.95, seed=1))
         self.generate([ids] * n, sps[:n])
-        self._reset_learning()
-        if self.tp is not None:  # the other ranks at the next step
-            self._inbox.append(("reset", None))
-
-    def _reset_learning(self) -> None:
         p = self.planner  # what it was given at start-up (the profile, the widths), nothing it learnt
         self.planner = Planner(p.width, p.cfg, profile=p.profile, widths=p.widths)
         self.stats = self._new_stats()

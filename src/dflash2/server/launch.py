@@ -187,11 +187,11 @@ def cmd_serve(args) -> int:
     cfg = engine_config(args, target, draft, width)
     ctx = cfg.context_length
     engine = LLMEngine(target, draft, cfg)
+    if not args.skip_server_warmup:
+        engine.warm_up()
     if engine.tp is not None and not engine.tp.leader:  # rank 0 serves; this rank steps with it
         engine.follow()
         return 0
-    if not args.skip_server_warmup:
-        engine.warm_up()
     engine.start()
     name = args.served_model_name or (args.model_path or "SmolLM2-135M-Instruct")
     parser = {"qwen": "hermes", "qwen25": "hermes"}.get(args.tool_call_parser, args.tool_call_parser)
