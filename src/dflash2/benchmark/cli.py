@@ -12,9 +12,10 @@ def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench_cmd", required=True)
     s = bsub.add_parser("speed", help="target alone vs DFlash2 on the same prompts, in one run")
-    from ..entry import add_model_flags
+    from ..entry import add_model_flags, add_tp_flag
 
     add_model_flags(s)
+    add_tp_flag(s)
     s.add_argument(
         "--gsm8k-path", default=str(Path(__file__).resolve().parents[3].parent / "shared/data/gsm8k/test.jsonl")
     )
@@ -111,14 +112,16 @@ def shape_models(args):
 
     from ..entry import resolve_device
     from ..target.loading import default_target_path, resolve_dtype
+    from ..target.tensor_parallel import init_tp
     from .shapes import random_models
 
     if args.synthetic_acceptance is None:
         raise SystemExit("--target-shape needs --synthetic-acceptance: a random drafter's tokens are never accepted")
     device = resolve_device(args.device)
+    tp = init_tp(args.tp_size, device)
     tok = AutoTokenizer.from_pretrained(args.model_path or default_target_path())
     width = args.speculative_num_draft_tokens or 5
-    target, draft = random_models(args.target_shape, device, resolve_dtype(args.dtype, device), width, tok)
+    target, draft = random_models(args.target_shape, device, resolve_dtype(args.dtype, device), width, tok, tp=tp)
     return target, draft, width
 
 

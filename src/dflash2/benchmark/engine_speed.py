@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..engine.engine import EngineConfig, EngineStats, LLMEngine
-from ..engine.request import Request
 from ..training.data import render
 from ..verification import SamplingParams
 
@@ -92,20 +91,13 @@ def measure(
     eng.stats = EngineStats(accepted_by_position=[0] * max(eng.width - 1, 0))
     n = len(prompt_ids) if requests_per_slot is None else min(len(prompt_ids), requests_per_slot * concurrency)
     n = max(concurrency, n)
-    reqs = [
-        Request(
-            prompt_ids[i % len(prompt_ids)],
-            SamplingParams(
-                temperature=temperature, top_p=0.95 if temperature else 1.0, max_new_tokens=max_new_tokens, seed=i
-            ),
-        )
-        for i in range(n)
+    top_p = 0.95 if temperature else 1.0
+    sps = [
+        SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=i) for i in range(n)
     ]
     shapes0 = {k: list(v) for k, v in getattr(eng.runner, "prefill_shapes", {}).items()}
     t0 = time.perf_counter()
-    for r in reqs:
-        eng.add_request(r)
-    eng.run_until_done()
+    out = eng.generate([prompt_ids[i % len(prompt_ids)] for i in range(n)], sps)  # (every rank, under --tp-size)
     secs = time.perf_counter() - t0
     prefill_shapes = {
         k: [n - shapes0.get(k, [0, 0])[0], t - shapes0.get(k, [0, 0])[1]]
@@ -113,8 +105,8 @@ def measure(
         if n > shapes0.get(k, [0, 0])[0]
     }
     s = eng.stats
-    C = sum(len(r.output_ids) for r in reqs)
-    V = sum(r.verify_steps for r in reqs)
+    C = sum(len(r.token_ids) for r in out)
+    V = sum(r.verify_steps for r in out)
     steps = max(s.steps, 1)
     return ConcurrencyRow(
         name,

@@ -70,25 +70,36 @@ def draft_config(name: str, width: int):
     return DFlash2Config.from_dict(raw)
 
 
-def random_models(name: str, device: str, dtype: torch.dtype, width: int, tokenizer, seed: int = 0):
+def random_models(name: str, device: str, dtype: torch.dtype, width: int, tokenizer, seed: int = 0, tp=None):
     """``(target, draft)`` with random weights: the target of shape ``name``, the drafter of
-    :func:`draft_config`."""
+    :func:`draft_config`. ``tp`` (a :class:`TPGroup`): every rank builds the same whole target on the
+    host, one rank at a time, and keeps its slice on ``device``."""
     import torch
     import transformers as tf
 
     from ..model import DFlash2DraftModel
     from ..target import TargetModel
+    from ..target.tensor_parallel import shard_target
 
     if name not in SHAPES:
         raise SystemExit(f"--target-shape {name!r}: known shapes are {', '.join(SHAPES)}")
     cfg, dcfg = target_config(name), draft_config(name, width)
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # build in the run's dtype on its device: no float32 copy of 16 GB
-    try:
-        with torch.device(device):
-            model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-            draft = DFlash2DraftModel(dcfg).init_weights().eval()
-    finally:
-        torch.set_default_dtype(previous)
-    return TargetModel(model, tokenizer, dcfg.target_layer_ids), draft
+
+    def build(on: str):
+        torch.manual_seed(seed)  # every rank the same weights
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # build in the run's dtype on its device: no float32 copy of 16 GB
+        try:
+            with torch.device(on):
+                return tf.AutoModelForCausalLM.from_config(cfg).eval(), DFlash2DraftModel(dcfg).init_weights().eval()
+        finally:
+            torch.set_default_dtype(previous)
+
+    def build_slice():
+        model, draft = build("cpu")
+        return shard_target(model, tp).to(device), draft.to(device)
+
+    model, draft = build(device) if tp is None else tp.in_turn(build_slice)
+    target = TargetModel(model, tokenizer, dcfg.target_layer_ids)
+    target.tp = tp
+    return target, draft
