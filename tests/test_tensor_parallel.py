@@ -65,6 +65,7 @@ def _lockstep(eng: LLMEngine, prompts, sampled: bool, abort_last: bool = False, 
         eng.warm_up()
     if eng.tp.leader:
         reqs = [eng.add_request(r) for r in _requests(prompts, sampled, seeds)]
+        assert eng.request_ids() == [r.request_id for r in reqs]  # (not handed out yet: abort_all sees them)
         for _ in range(3 if abort_last else 0):
             eng.step()
         if abort_last:
@@ -216,6 +217,7 @@ def test_torchrun_serve_tp(models):
         # (the planner's widths follow rank 0's clock, so a seeded request need not repeat: sampled, it runs)
         hot = post({"max_new_tokens": 20, "temperature": 1.0, "ignore_eos": True}).json()
         assert len(hot["output_ids"]) == 20
+        assert httpx.post(url + "/abort_request", json={"abort_all": True}, timeout=60).json() == {"aborted": []}
     finally:
         proc.terminate()
         try:

@@ -421,6 +421,12 @@ class LLMEngine:
             return f"the engine has not completed a step for {stalled:.0f} s"
         return None
 
+    def request_ids(self) -> list[str]:
+        """Every request not finished: running, waiting, and (tensor parallel) not yet handed out."""
+        with self.lock:
+            queued = [x for kind, x in self._inbox if kind == "add"]
+            return [r.request_id for r in [*self.scheduler.running, *self.scheduler.waiting, *queued]]
+
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._aborts or self._inbox)
 

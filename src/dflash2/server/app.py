@@ -572,8 +572,7 @@ async def abort_request(body: AbortRequest, http: HTTPRequest):
     """Abort by request id (the ``rid`` of /generate, the response ``id`` of the OpenAI routes)."""
     engine = state_of(http).engine
     if body.abort_all:
-        with engine.lock:
-            ids = [r.request_id for r in list(engine.scheduler.running) + list(engine.scheduler.waiting)]
+        ids = engine.request_ids()
     elif body.rid:
         ids = [body.rid]
     else:
