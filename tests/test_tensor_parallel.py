@@ -10,7 +10,9 @@ import warnings
 import pytest
 import torch
 
-from targets import build
+import transformers as tf
+
+from targets import _common, build
 from test_engine import _prompts
 from test_server import REPO
 from test_speculative import hf_greedy, random_draft
@@ -93,6 +95,15 @@ def _tp_rank(rank: int, port: int, queue) -> None:
         split.tp = tp
         ids = torch.randint(3, 96, (2, 17), generator=torch.Generator().manual_seed(0))
         logits_diff = (split.model(ids).logits - whole.model(ids).logits).abs().max().item()
+        torch.manual_seed(5)  # every Linear biased: o / down's bias must be added once
+        biased = tf.LlamaForCausalLM(tf.LlamaConfig(**_common(attention_bias=True, mlp_bias=True))).eval()
+        with torch.no_grad():
+            for name, p in biased.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.3)
+        for other in (build("qwen2", seed=4), build("qwen3", seed=4), biased):  # + per-head q/k norms
+            ref = copy.deepcopy(other)(ids).logits
+            logits_diff = max(logits_diff, (shard_target(other, tp)(ids).logits - ref).abs().max().item())
         prompts = _prompts(7, seed=11)
         runs = {
             "target": _lockstep(_engine(split, None), prompts, False),
