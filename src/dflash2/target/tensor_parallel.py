@@ -26,6 +26,9 @@ _SPLITS = (("self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj"), ("mlp", ("ga
 
 
 T = TypeVar("T")
+# how long a rank waits in a collective for the others: a following rank waits in one for rank 0's next
+# step however long the server is idle (a new group's own default is 30 minutes)
+IDLE = timedelta(days=365)
 
 
 class TensorParallelError(ValueError):
@@ -38,7 +41,7 @@ class TPGroup:
 
     rank: int
     size: int
-    control: Any = None  # the group that carries share()'s objects (None: the default one)
+    control: Any = None  # the gloo group that carries share()'s objects and barriers (None: the default one)
 
     @property
     def leader(self) -> bool:
@@ -81,13 +84,12 @@ def init_tp(tp_size: int, device: str) -> TPGroup | None:
             )
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        # the other ranks wait in a broadcast for rank 0's next step, however long the server is idle
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(days=365))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=IDLE)
     if dist.get_world_size() != tp_size:
         raise TensorParallelError(f"--tp-size {tp_size}: the process group has {dist.get_world_size()} ranks")
-    # rank 0's messages (requests, step times) over gloo even beside NCCL, as vLLM's CPU group: a
-    # pickled object through NCCL is a host-device copy and a synchronisation each way, every step
-    control = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    # rank 0's messages (requests, step times) over a gloo group of their own, beside NCCL too, as vLLM's
+    # CPU group: a pickled object through NCCL is a host-device copy and a synchronisation each way
+    control = dist.new_group(backend="gloo", timeout=IDLE)
     return TPGroup(dist.get_rank(), tp_size, control)
 
 
