@@ -31,6 +31,7 @@ from .request import Request, prefill_ids
 from .scheduler import Scheduler
 from .steps import (
     BatchSampling,
+    draw_seed,
     GenerationResult,
     Runner,
     eos_ids,
@@ -312,7 +313,7 @@ class LLMEngine:
                 "context_length_exceeded",
             )
         if self.tp is not None and req.sampling.seed is None:  # every rank draws the same uniforms
-            req.sampling = dataclasses.replace(req.sampling, seed=int(torch.randint(0, 2**62, ()).item()))
+            req.sampling = dataclasses.replace(req.sampling, seed=draw_seed())
         self._seat(req)
         with self.lock:
             if self.tp is None:

@@ -23,9 +23,14 @@ VERIFY_METHODS = ("greedy", "token", "block")
 
 
 # ---- per request ----------------------------------------------------------------------------------
+def draw_seed() -> int:
+    """An unseeded request's seed, from torch's global generator (``--random-seed`` seeds it)."""
+    return int(torch.randint(0, 2**62, ()).item())
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     gen = torch.Generator()
-    gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    gen.manual_seed(seed if seed is not None else draw_seed())
     return gen
 
 
