@@ -1056,6 +1056,50 @@ def draft_fused_check(target, draft) -> dict:
     return out
 
 
+def draft_split_check(target, draft) -> dict:
+    """The split softmax (kernels/latent_softmax.py) alone against its float32 reference, the draft
+    attention's split path against the padded one (alone, batch 64 and 1), then the draft block both
+    ways (:func:`draft_block_ab`)."""
+    import torch
+    from dflash2.kernels.latent_softmax import latent_softmax, latent_softmax_ref
+    from dflash2.kernels.mla_attention import latent_attention_ref
+    from dflash2.model import attention
+
+    attn = draft.layers[0].self_attn
+    out: dict = {}
+    for B in (64, 1):
+        q, ctx, blk, mask = latent_attention_inputs(B, torch.Generator(device="cuda").manual_seed(0))
+        s_ctx = torch.bmm(q, ctx.transpose(1, 2), out_dtype=torch.float32)
+        s_blk = torch.bmm(q, blk.transpose(1, 2), out_dtype=torch.float32)
+        ref = latent_softmax_ref(s_ctx, s_blk, mask, attn.scale, torch.float32)
+        got = latent_softmax(s_ctx, s_blk, mask, attn.scale, torch.float32)
+        got_bf = latent_softmax(s_ctx, s_blk, mask, attn.scale, torch.bfloat16)
+        with torch.no_grad():
+            attention.SPLIT_SOFTMAX = False
+            padded = attn._attend(q, ctx, blk, mask)
+            padded_ms = replay_ms(lambda: attn._attend(q, ctx, blk, mask), 50)
+            attention.SPLIT_SOFTMAX = True
+            split = attn._attend(q, ctx, blk, mask)
+            split_ms = replay_ms(lambda: attn._attend(q, ctx, blk, mask), 50)
+        exact = latent_attention_ref(q, ctx, blk, mask, attn.scale, 512)
+        row = {
+            "softmax_kernel_ms": round(replay_ms(lambda: latent_softmax(s_ctx, s_blk, mask, attn.scale, torch.bfloat16), 50), 4),
+            "softmax_ref_ms": round(replay_ms(lambda: latent_softmax_ref(s_ctx, s_blk, mask, attn.scale, torch.bfloat16), 50), 4),
+            "softmax_max_abs_diff_fp32": max((a - b).abs().max().item() for a, b in zip(got, ref)),
+            "softmax_max_abs_diff_bf16": max((a.float() - b).abs().max().item() for a, b in zip(got_bf, ref)),
+            "attend_padded_ms": round(padded_ms, 4),
+            "attend_split_ms": round(split_ms, 4),
+            "padded_max_abs_diff": round((padded.float() - exact).abs().max().item(), 5),
+            "split_max_abs_diff": round((split.float() - exact).abs().max().item(), 5),
+            "max_abs": round(exact.abs().max().item(), 3),
+        }  # fmt: skip
+        log(f"  split softmax B={B}: {row}")
+        out[f"alone_B{B}"] = row
+    out["block"] = draft_block_ab(target, draft, "SPLIT_SOFTMAX", ("padded", "split"))
+    attention.SPLIT_SOFTMAX = True
+    return out
+
+
 def stage_mla(args) -> None:
     """The fused latent attention's launches (kernels/mla_attention.py ``CONFIGS``) at batch 64 and 1
     (:func:`latent_attention_inputs`), each checked against the float32 reference and timed beside the
@@ -1721,6 +1765,9 @@ def stage_shape(args) -> None:
         report["draft_precision"] = draft_precision_check(target, draft)
     if args.draft_fused:
         report["draft_fused"] = draft_fused_check(target, draft)
+    if args.draft_split:
+        report["draft_split"] = draft_split_check(target, draft)
+        (OUT / "shape.json").write_text(json.dumps(report, indent=1))
     if not args.speed:  # --no-speed: the checks only
         (OUT / "shape.json").write_text(json.dumps(report, indent=1))
         return
@@ -1854,6 +1901,8 @@ def main() -> None:
         "--draft-precision", action="store_true", help="shape: time the draft's attention matmuls both ways"
     )
     ap.add_argument("--draft-fused", action="store_true", help="shape: the fused draft attention against torch's")
+    ap.add_argument("--draft-split", action="store_true", help="shape: the split draft softmax against the padded path")
+    ap.add_argument("--split-softmax", choices=("on", "off"), default="on", help="model/attention.py SPLIT_SOFTMAX")
     ap.add_argument("--target-shape", default="llama-8b", help="shape: the random target's shape")
     ap.add_argument("--acceptances", default="0.92,0.5", help="shape: synthetic acceptance rates, one run each")
     ap.add_argument("--adaptive", action="store_true", help="engine: each DFlash2 row again with the planner on")
@@ -1884,10 +1933,11 @@ def main() -> None:
     ap.add_argument("--prefill-buckets", default=None, help="graph_runner.PREFILL_BUCKETS for this call")
     ap.add_argument("--mixed-max-tokens", type=int, default=None, help="graph_runner.MIXED_MAX_STEP_TOKENS")
     args = ap.parse_args()
-    if args.fused_attention:  # (off by default: model/attention.py FUSED_ATTENTION)
+    if args.fused_attention or args.split_softmax == "off":  # model/attention.py's switches, for an A/B
         from dflash2.model import attention
 
-        attention.FUSED_ATTENTION = True
+        attention.FUSED_ATTENTION = attention.FUSED_ATTENTION or args.fused_attention
+        attention.SPLIT_SOFTMAX = args.split_softmax == "on"
     # the prefill graphs' (rows, length) buckets, for an A/B: trickled admissions of 1-3 requests padded
     # to 4 rows or to a doubled length did up to 2-3x the compute of their tokens at the 8B shape
     if args.prefill_rows or args.prefill_buckets:

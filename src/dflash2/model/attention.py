@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DFlash2Config
+from ..kernels import latent_softmax as split_softmax
 from ..kernels.mla_attention import gather_rows, kernel_shapes_ok, latent_attention
 from .rope import RotaryEmbedding, apply_interleaved_rope
 
@@ -66,6 +67,15 @@ TENSOR_CORE_SCORES = True
 # (a dependent index load before every key tile) is what loses. Module-level so a benchmark can set them.
 FUSED_ATTENTION = False
 PAGED_READ = True
+# On CUDA without grad (serving), the torch path scores context and block keys in two matmuls, takes
+# their masked softmax in one kernel pass (kernels/latent_softmax.py) and the value product as two
+# matmuls: no concatenated, padded keys, and no Inductor softmax passes over the fp32 scores.
+SPLIT_SOFTMAX = True
+
+
+def split_applies(ctx: torch.Tensor) -> bool:
+    """Whether the torch path's softmax over context latents ``ctx [B, Lc, D]`` is the split kernel's."""
+    return SPLIT_SOFTMAX and ctx.is_cuda and not torch.is_grad_enabled() and split_softmax.applies(ctx)
 
 
 def fused_applies(q: torch.Tensor, rank: int) -> bool:
@@ -163,6 +173,8 @@ class MLAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, ctx: torch.Tensor, blk: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The plain torch form of ``kernels/mla_attention.py``: ``q [B, n*Lq, D]`` -> ``[B, n*Lq, rank]``."""
+        if split_applies(ctx):
+            return self._attend_split(q, ctx, blk, mask)
         B, M, _ = q.shape
         n, Lq = M // blk.shape[1], blk.shape[1]
         parts = [ctx, blk]
@@ -183,3 +195,17 @@ class MLAttention(nn.Module):
         # on tensor cores the product is accumulated in fp32 and rounded to bf16 once, as the fp32
         # result cast to h.dtype was
         return torch.bmm(probs.to(c.dtype), c) if _tensor_cores(c) else torch.matmul(probs, c.float())
+
+    def _attend_split(self, q: torch.Tensor, ctx: torch.Tensor, blk: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """:meth:`_attend` with context and block keys kept apart: two score matmuls, one softmax pass
+        (``kernels/latent_softmax.py``), two value matmuls. The same function; on tensor cores the block
+        keys' small value product is rounded to bf16 before the context's is added to it in fp32."""
+        rank = self.cfg.kv_lora_rank
+        tc = _tensor_cores(ctx)
+        s_ctx = _fp32_matmul(q, ctx.transpose(1, 2))
+        s_blk = _fp32_matmul(q, blk.transpose(1, 2))
+        p_ctx, p_blk = split_softmax.latent_softmax(s_ctx, s_blk, mask, self.scale, ctx.dtype if tc else torch.float32)
+        c_ctx, c_blk = ctx[..., :rank], blk[..., :rank]
+        if tc:
+            return torch.baddbmm(torch.bmm(p_blk, c_blk), p_ctx, c_ctx)
+        return torch.matmul(p_ctx, c_ctx.float()) + torch.matmul(p_blk, c_blk.float())
