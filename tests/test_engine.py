@@ -136,6 +136,21 @@ def test_mixed_chunk_greedy_equals_target(width):
     assert eng.runner.occupant == []
 
 
+def test_mixed_chunk_by_default_where_it_applies(monkeypatch):
+    """The flag unset (None) and its default on (on CUDA with graphs over pages: here forced): prompts
+    join steps, as with the flag given. (A None flag once left the engine never offering a prompt,
+    while the runner captured the mixed graphs: docs/benchmarks.md, thirty-fourth session.)"""
+    from dflash2.engine import engine as engine_mod
+
+    t = TargetModel(build("llama", seed=7), layer_ids=[0, 2])
+    prompts = _prompts(9, seed=7)
+    monkeypatch.setattr(engine_mod, "mixed_chunk_default", lambda paged, device, no_graphs: paged)
+    eng, reqs = _run(t, random_draft(t, 5).draft, prompts, "static", width=5, mixed_chunk=None)
+    assert eng.stats.prompts_mixed >= 4
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
+
+
 @pytest.mark.parametrize("block", [False, True])
 def test_mixed_chunk_sampled_equals_unmixed(llama, block):
     """Same seeds: a prompt run inside a step gives each request the same draws, tokens and acceptances."""

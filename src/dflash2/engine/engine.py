@@ -131,6 +131,13 @@ class EngineConfig:
 
 
 GRAPH_PAGE = 64  # the static runner's page: the live kernel's key tile
+
+
+def mixed_chunk_default(paged: bool, device: torch.device, disable_cuda_graph: bool) -> bool:
+    """``--enable-mixed-chunk`` unset: on where the static runner replays CUDA graphs over a pool of pages."""
+    return paged and device.type == "cuda" and not disable_cuda_graph
+
+
 ATTENTION_BACKENDS = {"auto": None, "triton": "live", "torch_native": "sdpa"}  # flag -> StaticTarget's name
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 300.0)
 
@@ -268,7 +275,7 @@ class LLMEngine:
             )
         mixed = cfg.enable_mixed_chunk
         if mixed is None:
-            mixed = static and pages is not None and target.device.type == "cuda" and not cfg.disable_cuda_graph
+            mixed = static and mixed_chunk_default(pages is not None, target.device, cfg.disable_cuda_graph)
         if static:
             return GraphModelRunner(
                 target,
@@ -658,7 +665,8 @@ class LLMEngine:
     def _mixed_chunk(self) -> tuple[Request, int] | None:
         """With ``--enable-mixed-chunk``: the oldest admitted request's rest of prompt, within the
         chunked-prefill budget, offered to the step (the runner takes it where it can)."""
-        if not self.cfg.enable_mixed_chunk or not self.prefilling:
+        # the runner's lengths, not the flag: the flag's default (None) is resolved where the runner is built
+        if not getattr(self.runner, "mixed_lengths", ()) or not self.prefilling:
             return None
         req = self.prefilling[0]
         n = len(prefill_ids(req)) - req.prefill_pos
