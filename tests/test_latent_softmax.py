@@ -6,22 +6,14 @@ import torch
 
 from conftest import tiny_config
 from dflash2.kernels.latent_softmax import latent_softmax, latent_softmax_ref
-from dflash2.kernels.mla_attention import use_kernel
-from dflash2.model import DFlash2DraftModel, build_block_mask
+from dflash2.model import DFlash2DraftModel
 from dflash2.model import attention as attention_mod
-
-needs_interpreter = pytest.mark.skipif(
-    not use_kernel(torch.empty(0)), reason="the kernel runs on the CPU only under TRITON_INTERPRET=1"
-)
+from test_mla_attention import _mask as _mla_mask
+from test_mla_attention import needs_interpreter
 
 
 def _mask(B: int, Lq: int, Lc: int, window: int, g: torch.Generator) -> torch.Tensor:
-    anchors = torch.randint(Lc // 2, Lc + 1, (B,), generator=g)
-    q_pos = anchors[:, None] + torch.arange(Lq)
-    ctx_pos = anchors[:, None] - Lc + torch.arange(Lc)
-    return build_block_mask(
-        q_pos, anchors[:, None].expand(B, Lq), torch.zeros_like(q_pos), ctx_pos, ctx_pos >= 0, window, True
-    )
+    return _mla_mask(B, Lq, Lc, window, g, is_causal=True)
 
 
 @needs_interpreter

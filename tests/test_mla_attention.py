@@ -14,13 +14,13 @@ needs_interpreter = pytest.mark.skipif(
 )
 
 
-def _mask(B: int, Lq: int, Lc: int, window: int, g: torch.Generator) -> torch.Tensor:
+def _mask(B: int, Lq: int, Lc: int, window: int, g: torch.Generator, is_causal: bool = False) -> torch.Tensor:
     """Block rows at each row's anchor (some context rows padding, some past the window)."""
     anchors = torch.randint(Lc // 2, Lc + 1, (B,), generator=g)
     q_pos = anchors[:, None] + torch.arange(Lq)
     ctx_pos = anchors[:, None] - Lc + torch.arange(Lc)
     return build_block_mask(
-        q_pos, anchors[:, None].expand(B, Lq), torch.zeros_like(q_pos), ctx_pos, ctx_pos >= 0, window, False
+        q_pos, anchors[:, None].expand(B, Lq), torch.zeros_like(q_pos), ctx_pos, ctx_pos >= 0, window, is_causal
     )
 
 
