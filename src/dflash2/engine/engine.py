@@ -131,15 +131,13 @@ class EngineConfig:
 
 
 GRAPH_PAGE = 64  # the static runner's page: the live kernel's key tile
+ATTENTION_BACKENDS = {"auto": None, "triton": "live", "torch_native": "sdpa"}  # flag -> StaticTarget's name
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 300.0)
 
 
 def mixed_chunk_default(paged: bool, device: torch.device, disable_cuda_graph: bool) -> bool:
     """``--enable-mixed-chunk`` unset: on where the static runner replays CUDA graphs over a pool of pages."""
     return paged and device.type == "cuda" and not disable_cuda_graph
-
-
-ATTENTION_BACKENDS = {"auto": None, "triton": "live", "torch_native": "sdpa"}  # flag -> StaticTarget's name
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 300.0)
 
 
 @dataclass
