@@ -1056,6 +1056,92 @@ def draft_fused_check(target, draft) -> dict:
     return out
 
 
+def packed_prefill_check(target) -> dict:
+    """The packed prefill (``Rows.segment``: prompts back to back, a segment-causal mask) against each
+    prompt's own forward from position 0 (last logits rows and K cache, bf16), then the forward timed
+    packed against the same prompts padded to a (rows, length) shape (the prefill before the 35th
+    session), eager and synchronised: at these sizes a prefill is compute-bound."""
+    import torch
+    from dflash2.target.static_llama import Rows, StaticTarget
+
+    dev, V = target.device, target.config.vocab_size
+    apart, joint = (StaticTarget(target, 1024, 16, "live", page_size=256, num_pages=64) for _ in "ab")
+    g = torch.Generator().manual_seed(0)
+    out: dict = {}
+
+    def packed_rows(prompts, T):
+        lengths = [len(x) for x in prompts]
+        seg = [b for b, n in enumerate(lengths) for _ in range(n)]
+        pos = [i for n in lengths for i in range(n)]
+        pad = T - len(seg)
+        seg, pos = seg + [seg[-1]] * pad, pos + list(range(pos[-1] + 1, pos[-1] + 1 + pad))
+        tables = (torch.arange(len(prompts), dtype=torch.int32, device=dev) * 4)[:, None] + torch.arange(
+            4, device=dev, dtype=torch.int32
+        )
+        seg_t = torch.tensor(seg, device=dev)
+        ids = torch.cat([*prompts, torch.zeros(pad, dtype=torch.long, device=dev)])[:, None]
+        last = torch.tensor(lengths, device=dev).cumsum(0) - 1
+        return Rows(ids, torch.tensor(pos, device=dev), tables[seg_t], last=last, segment=seg_t), tables
+
+    lengths = [110, 60, 140]
+    prompts = [torch.randint(0, V, (n,), generator=g).to(dev) for n in lengths]
+    rows, tables = packed_rows(prompts, 384)
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    with torch.no_grad():
+        want = [apart.forward(x[None], zero, kv_len=len(x), tables=tables[b : b + 1]) for b, x in enumerate(prompts)]
+        (logits, _), *_ = joint.forward_rows([rows])
+    diffs, kdiffs = [], []
+    for b, (lg, _) in enumerate(want):
+        diffs.append((logits[b, 0] - lg[0, -1]).abs().max().item() / lg[0, -1].abs().max().item())
+        page = tables[b, 0].item()
+        n = lengths[b]
+        kdiffs.append(
+            (joint.k_cache[:, page, :, :n].float() - apart.k_cache[:, page, :, :n].float()).abs().max().item()
+        )
+    # the rounding baseline: the same prompts padded to one (rows, length) shape against each alone
+    ids = torch.stack([torch.cat([x, x.new_zeros(max(lengths) - len(x))]) for x in prompts])
+    with torch.no_grad():
+        padded, _ = apart.forward(
+            ids, zero.expand(3), kv_len=max(lengths), tables=tables, last=rows.last.new_tensor([n - 1 for n in lengths])
+        )
+    base = [
+        (padded[b, 0] - lg[0, -1]).abs().max().item() / lg[0, -1].abs().max().item() for b, (lg, _) in enumerate(want)
+    ]
+    out["check"] = {
+        "lengths": lengths,
+        "last_logits_rel_diff": [round(d, 4) for d in diffs],
+        "padded_vs_alone_rel_diff": [round(d, 4) for d in base],
+        "k_max_abs_diff": kdiffs,
+    }
+    log(f"  packed prefill check: {out['check']}")
+    for n_prompts, L in ((1, 128), (4, 128), (8, 128), (16, 128)):
+        prompts = [
+            torch.randint(0, V, (int(torch.randint(90, 128, (1,), generator=g)),), generator=g).to(dev)
+            for _ in range(n_prompts)
+        ]
+        total = sum(len(x) for x in prompts)
+        T = next(t for t in (128, 192, 256, 384, 512, 768, 1024, 1536, 2048) if t >= total)
+        rows, tables = packed_rows(prompts, T)
+        ids = torch.stack([torch.cat([x, x.new_zeros(L - len(x))]) for x in prompts])
+        last = torch.tensor([len(x) - 1 for x in prompts], device=dev)
+        with torch.no_grad():
+            packed_ms = replay_ms(lambda: joint.forward_rows([rows]), 10)
+            padded_ms = replay_ms(
+                lambda: apart.forward(ids, zero.expand(n_prompts), kv_len=L, tables=tables, last=last), 10
+            )
+        row = {
+            "prompts": n_prompts,
+            "real_tokens": total,
+            "packed_T": T,
+            "packed_ms": round(packed_ms, 2),
+            "padded_shape": f"{n_prompts}x{L}",
+            "padded_ms": round(padded_ms, 2),
+        }
+        log(f"  packed vs padded: {row}")
+        out[f"n{n_prompts}"] = row
+    return out  # (the two caches go with this frame)
+
+
 def draft_split_check(target, draft) -> dict:
     """The split softmax (kernels/latent_softmax.py) alone against its float32 reference, the draft
     attention's split path against the padded one (alone, batch 64 and 1), then the draft block both
@@ -1768,6 +1854,9 @@ def stage_shape(args) -> None:
     if args.draft_split:
         report["draft_split"] = draft_split_check(target, draft)
         (OUT / "shape.json").write_text(json.dumps(report, indent=1))
+    if args.prefill_packed:
+        report["prefill_packed"] = packed_prefill_check(target)
+        (OUT / "shape.json").write_text(json.dumps(report, indent=1))
     if not args.speed:  # --no-speed: the checks only
         (OUT / "shape.json").write_text(json.dumps(report, indent=1))
         return
@@ -1929,8 +2018,9 @@ def main() -> None:
         default="auto",
         help="shape: --enable-mixed-chunk for every engine (target alone too); auto: the engine's default",
     )
-    ap.add_argument("--prefill-rows", default=None, help="graph_runner.PREFILL_ROWS for this call, e.g. 1,2,4,8,16")
-    ap.add_argument("--prefill-buckets", default=None, help="graph_runner.PREFILL_BUCKETS for this call")
+    ap.add_argument("--prefill-packed", action="store_true", help="shape: packed prefill vs each prompt alone, timed")
+    ap.add_argument("--prefill-tokens", default=None, help="graph_runner.PREFILL_TOKENS for this call")
+    ap.add_argument("--packed-max-tokens", type=int, default=None, help="graph_runner.PACKED_MAX_TOKENS")
     ap.add_argument("--mixed-max-tokens", type=int, default=None, help="graph_runner.MIXED_MAX_STEP_TOKENS")
     args = ap.parse_args()
     if args.fused_attention or args.split_softmax == "off":  # model/attention.py's switches, for an A/B
@@ -1938,15 +2028,14 @@ def main() -> None:
 
         attention.FUSED_ATTENTION = attention.FUSED_ATTENTION or args.fused_attention
         attention.SPLIT_SOFTMAX = args.split_softmax == "on"
-    # the prefill graphs' (rows, length) buckets, for an A/B: trickled admissions of 1-3 requests padded
-    # to 4 rows or to a doubled length did up to 2-3x the compute of their tokens at the 8B shape
-    if args.prefill_rows or args.prefill_buckets:
+    # the packed prefill graphs' token totals and the tokens several prompts share, for an A/B
+    if args.prefill_tokens or args.packed_max_tokens:
         from dflash2.engine import graph_runner
 
-        if args.prefill_rows:
-            graph_runner.PREFILL_ROWS = tuple(int(r) for r in args.prefill_rows.split(","))
-        if args.prefill_buckets:
-            graph_runner.PREFILL_BUCKETS = tuple(int(b) for b in args.prefill_buckets.split(","))
+        if args.prefill_tokens:
+            graph_runner.PREFILL_TOKENS = tuple(int(b) for b in args.prefill_tokens.split(","))
+        if args.packed_max_tokens:
+            graph_runner.PACKED_MAX_TOKENS = args.packed_max_tokens
     if args.mixed_max_tokens is not None:  # which steps take a new prompt (an A/B of the gate)
         from dflash2.engine import graph_runner
 

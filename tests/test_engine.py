@@ -11,7 +11,7 @@ from targets import VOCAB, build
 from test_speculative import hf_greedy, random_draft
 from dflash2.engine import graph_runner
 from dflash2.engine.engine import EngineConfig, LLMEngine
-from dflash2.engine.graph_runner import GraphModelRunner, plan_prefill
+from dflash2.engine.graph_runner import PACKED_MAX_TOKENS, GraphModelRunner, pack_prefill
 from dflash2.engine.model_runner import ModelRunner, PagedLayer
 from dflash2.engine.planner import PlannerConfig
 from dflash2.engine.request import Request
@@ -232,25 +232,21 @@ def test_preemption_and_slot_moves(llama):
     assert [r.accept_hist for r in reqs] == [r.accept_hist for r in paged]
 
 
-def test_plan_prefill_weighs_padding_against_replays():
-    """The padded prefill's plan: without costs one replay of the smallest bucket that holds every
-    chunk; with costs the cheapest cut of the chunks, longest first, into groups. Where a padded row
-    costs compute (an 8B-like target: a replay's fixed cost ~ 170 tokens) five chunks go as 4 + 1
-    rows; where a replay's fixed cost dominates (a small target) as one 16-row replay."""
-    shapes = [(R, L) for R in (1, 4, 16) for L in (32, 128, 256)]
-    assert plan_prefill([100] * 5, shapes) == [(16, 128, [0, 1, 2, 3, 4])]
-    assert plan_prefill([100] * 17, shapes) is None and plan_prefill([300], shapes) is None
-    big = {(R, L): 0.004 + R * L * 2.3e-5 for R, L in shapes}
-    small = {(R, L): 0.0006 + R * L * 2e-7 for R, L in shapes}
-    assert sorted((R, L, len(idx)) for R, L, idx in plan_prefill([100] * 5, shapes, big)) == [(1, 128, 1), (4, 128, 4)]
-    assert plan_prefill([100] * 5, shapes, small) == [(16, 128, [0, 1, 2, 3, 4])]
-    # longest first: the long chunk alone, the short ones together in a short bucket
-    assert plan_prefill([30, 200, 30, 30, 30], shapes, big) == [(1, 256, [1]), (4, 32, [0, 2, 3, 4])]
-    # more chunks than the largest bucket's rows: several replays, every chunk once
-    plan = plan_prefill(list(range(1, 41)), shapes, small)
-    assert sorted(i for _, _, idx in plan for i in idx) == list(range(40))
-    assert all(len(idx) <= R and all(i + 1 <= L for i in idx) for R, L, idx in plan)
-    assert plan_prefill([300], shapes, big) is None
+def test_pack_prefill_packs_chunks_into_the_smallest_totals():
+    """Packed prefill's plan: longest chunk first into the first replay with room (tokens and rows),
+    each replay the smallest total that holds its chunks; one chunk past every total: no plan."""
+    totals = (32, 64, 128, 256, 512, 1024, 2048)
+    assert pack_prefill([100] * 5, totals, 16) == [(512, [0, 1, 2, 3, 4])]
+    assert pack_prefill([30, 200, 30], totals, 16) == [(512, [1, 0, 2])]
+    assert pack_prefill([3000], totals, 16) is None and pack_prefill([5], (), 4) is None
+    # rows bound a replay: 5 chunks, 4 a replay
+    assert pack_prefill([10] * 5, totals, 4) == [(64, [0, 1, 2, 3]), (32, [4])]
+    # past PACKED_MAX_TOKENS several replays, every chunk once; a chunk longer than it goes alone
+    lengths = [PACKED_MAX_TOKENS // 4 + 1] * 7 + [1500]
+    plan = pack_prefill(lengths, totals, 64)
+    assert plan[0] == (2048, [7]) and sorted(i for _, idx in plan for i in idx) == list(range(8))
+    assert all(sum(lengths[i] for i in idx) <= T for T, idx in plan)
+    assert all(sum(lengths[i] for i in idx) <= PACKED_MAX_TOKENS for _, idx in plan[1:])
 
 
 def test_release_keeps_slots_contiguous(llama):
@@ -340,28 +336,25 @@ def test_warm_up_drafts_then_starts_fresh(llama):
     assert eng.stats.completed == 3
 
 
-@pytest.mark.parametrize("lengths,split", [((40,), False), ((40, 17, 5), False), ((40, 17, 5), True)])
-def test_padded_prefill_equals_the_eager_prefill(llama, lengths, split):
-    """New requests' first chunks, prefilled alone or together, are padded to a (rows, length) bucket
-    (the function a CUDA graph replays on the GPU; three rows take the 4-row bucket, one of them
-    padding on the scratch page): each last logits row is the target's, and the K/V and draft
-    latents of every real row equal the unpadded eager prefill's (one request does not draft).
-    ``split``: replays priced so that each chunk goes alone (plan_prefill), two of them through the
-    same (1, 32) graph, whose output the second replay overwrites."""
+@pytest.mark.parametrize("lengths,rows", [((40,), 4), ((40, 17, 5), 4), ((40, 17, 5, 30, 9), 4)])
+def test_packed_prefill_equals_the_eager_prefill(llama, lengths, rows):
+    """New requests' first chunks, prefilled alone or together, packed back to back and padded to a
+    token total (the function a CUDA graph replays on the GPU; the padding continues the last prompt):
+    each last logits row is the target's, and the K/V and draft latents of every real token equal the
+    unpadded eager prefill's (one request does not draft). Five chunks over four slots' rows: two
+    replays, the first one's outputs kept while the second overwrites the graph's."""
     t, d = llama
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
     out = {}
-    for padded in (True, False):
-        runner = GraphModelRunner(t, d, 5, num_slots=4, max_len=130, cuda_graph=False, page_size=64, num_pages=8)
-        if not padded:  # (the graphs were made at construction)
-            runner.prefill_buckets, runner.prefill_graphs = (), {}
-        assert runner.prefill_buckets == ((32, 64, 128) if padded else ()) and runner.prefill_cost == {}
-        replays: list[tuple[int, int]] = []
-        inner = runner._replay_prefill
-        runner._replay_prefill = lambda chunks, R, L: replays.append((R, L)) or inner(chunks, R, L)
-        if split:
-            runner.prefill_cost = {(R, L): 1.0 if R == 1 else 10.0 for R, L, _ in runner.prefill_graphs}
+    for packed in (True, False):
+        slots = max(len(lengths), rows) if packed else len(lengths)
+        runner = GraphModelRunner(t, d, 5, num_slots=slots, max_len=130, cuda_graph=False, page_size=64, num_pages=8)
+        if not packed:  # (the graphs were made at construction)
+            runner.prefill_tokens, runner.prefill_graphs = (), {}
+        else:
+            assert runner.prefill_tokens == (32, 64, 128)
+            runner.pf_last = runner.pf_last[:rows]
             for key, (replay, res) in runner.prefill_graphs.items():  # outputs in place, as a CUDA graph's
 
                 def in_place(replay=replay, res=res, buf={}):
@@ -370,25 +363,27 @@ def test_padded_prefill_equals_the_eager_prefill(llama, lengths, split):
                     res["pf_logits"] = buf["pf_logits"]
 
                 runner.prefill_graphs[key] = (in_place, res)
+        replays: list[int] = []
+        inner = runner._replay_prefill
+        runner._replay_prefill = lambda chunks, T: replays.append(T) or inner(chunks, T)
         reqs = [Request(x, SamplingParams()) for x in prompts]
-        # the last of several does not draft (split: all do, so two chunks replay one (1, 32, drafting) graph)
-        reqs[-1].speculate = len(reqs) == 1 or split
+        reqs[-1].speculate = len(reqs) == 1  # the last of several does not draft
         for r in reqs:
             runner.kv.grow(r, len(r.prompt_ids) + 5)
         logits = (
             runner.prefill_batch([(r, len(r.prompt_ids)) for r in reqs]) if len(reqs) > 1 else [runner.prefill(reqs[0])]
         )
-        rows = []
+        rows_out = []
         for r, lg in zip(reqs, logits):
             page, n = r.block_table[0], len(r.prompt_ids)
             lat = runner.lat[:, page, :n].clone() if r.speculate else None
-            rows.append((lg, runner.static.k_cache[:, page, :, :n].clone(), lat))
-        out[padded] = rows
-        one = [(1, 64)] if len(lengths) == 1 else [(4, 64)]
-        assert replays == (([(1, 64), (1, 32), (1, 32)] if split else one) if padded else [])
-        # the padding tally (bench speed's prefill_shapes): replays and real tokens by shape
-        tally = {"1x64": [1, 40], "1x32": [2, 22]} if split else {f"{one[0][0]}x64": [1, sum(lengths)]}
-        assert runner.prefill_shapes == (tally if padded else {})
+            rows_out.append((lg, runner.static.k_cache[:, page, :, :n].clone(), lat))
+        out[packed] = rows_out
+        want = {1: [64], 3: [64], 5: [128, 32]}[len(lengths)]  # 40+30+17+9 in 128, then the 5
+        assert replays == (want if packed else [])
+        # the padding tally (bench speed's prefill_shapes): replays and real tokens by total
+        tally = {"128": [1, 96], "32": [1, 5]} if len(lengths) == 5 else {"64": [1, sum(lengths)]}
+        assert runner.prefill_shapes == (tally if packed else {})
     for x, (got, ref) in zip(prompts, zip(out[True], out[False])):
         with torch.no_grad():
             torch.testing.assert_close(got[0], t.model(torch.tensor([x])).logits[0, -1], atol=1e-4, rtol=1e-4)
@@ -398,32 +393,30 @@ def test_padded_prefill_equals_the_eager_prefill(llama, lengths, split):
 
 
 @pytest.mark.parametrize("speculate", [True, False])
-def test_one_slot_padded_prefill_equals_the_eager_prefill(llama, speculate):
+def test_one_slot_packed_prefill_equals_the_eager_prefill(llama, speculate):
     """Batch 1 (one slot, no pool of pages) with prefill graphs, as on CUDA: the prompt alone padded to
-    a length bucket gives the target's last logits row and the eager prefill's K/V and draft latents."""
+    a token total gives the target's last logits row and the eager prefill's K/V and draft latents."""
     t, d = llama
     x = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     out = {}
-    for padded in (True, False):
-        runner = GraphModelRunner(t, d, 5, num_slots=1, max_len=130, cuda_graph=False, prefill_graphs=padded)
-        assert runner.prefill_buckets == ((32, 64, 128) if padded else ()) and runner.prefill_rows == (
-            (1,) if padded else ()
-        )
-        replays: list[tuple[int, int]] = []
+    for packed in (True, False):
+        runner = GraphModelRunner(t, d, 5, num_slots=1, max_len=130, cuda_graph=False, prefill_graphs=packed)
+        assert runner.prefill_tokens == ((32, 64, 128) if packed else ())
+        replays: list[int] = []
         inner = runner._replay_prefill
-        runner._replay_prefill = lambda chunks, R, L: replays.append((R, L)) or inner(chunks, R, L)
+        runner._replay_prefill = lambda chunks, T: replays.append(T) or inner(chunks, T)
         req = Request(x, SamplingParams())
         req.speculate = speculate
         runner.kv.grow(req, len(x) + 5)
         lg = runner.prefill(req)
-        assert replays == ([(1, 64)] if padded else [])
-        out[padded] = (lg, runner.static.k_cache[:, 0, :, :40].clone(), runner.lat[:, 0, :40].clone())
+        assert replays == ([64] if packed else [])
+        out[packed] = (lg, runner.static.k_cache[:, 0, :, :40].clone(), runner.lat[:, 0, :40].clone())
     with torch.no_grad():
         torch.testing.assert_close(out[True][0], t.model(torch.tensor([x])).logits[0, -1], atol=1e-4, rtol=1e-4)
     for a, b in zip(out[True], out[False][: 3 if speculate else 2]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     # the one-slot default: graphs where they are captured (CUDA), else the exact-length eager prefill
-    assert GraphModelRunner(t, d, 5, num_slots=1, max_len=130, cuda_graph=False).prefill_buckets == ()
+    assert GraphModelRunner(t, d, 5, num_slots=1, max_len=130, cuda_graph=False).prefill_tokens == ()
 
 
 @pytest.mark.parametrize("runner", ["paged", "static"])

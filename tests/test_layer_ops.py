@@ -175,3 +175,66 @@ def test_forward_rows_equals_separate_forwards(arch, fused, attention):
         torch.testing.assert_close(f, f_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(joint.k_cache, apart.k_cache, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(joint.v_cache, apart.v_cache, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "arch,fused,attention",
+    [("llama_hd16", False, "sdpa"), ("qwen3", False, "live"), ("llama_hd16", True, "live")],
+)
+def test_packed_rows_equal_each_prompt_alone(arch, fused, attention):
+    """Three prompts back to back in one packed group (``Rows.segment``; a padded token continuing the
+    last one) give each prompt's last logits row, its features and its cache rows as its own forward
+    from position 0 does, in float32: no token sees another prompt's keys."""
+    if fused and not use_triton(torch.device("cpu")):
+        pytest.skip("the fused layers run on the CPU only under TRITON_INTERPRET=1")
+    t = TargetModel(build(arch), layer_ids=[0, 2])
+    apart, joint = (StaticTarget(t, 64, attention=attention, page_size=64, num_pages=4, fused=fused) for _ in "ab")
+    g = torch.Generator().manual_seed(1)
+    lengths = [9, 4, 6]
+    prompts = [torch.randint(3, 90, (n,), generator=g) for n in lengths]
+    tables = torch.arange(3, dtype=torch.int32)[:, None]  # prompt b on page b
+    want = [
+        apart.forward(x[None], torch.zeros(1, dtype=torch.long), kv_len=len(x), tables=tables[b : b + 1])
+        for b, x in enumerate(prompts)
+    ]
+    seg = torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)] + [2])
+    pos = torch.tensor([i for n in lengths for i in range(n)] + [6])
+    last = torch.tensor(lengths).cumsum(0) - 1
+    ids = torch.cat([*prompts, torch.tensor([5])])[:, None]
+    (logits, feats), *_ = joint.forward_rows([Rows(ids, pos, tables[seg], last=last, segment=seg)])
+    assert logits.shape == (3, 1, t.config.vocab_size) and feats.shape[:2] == (20, 1)
+    for b, (lg_ref, f_ref) in enumerate(want):
+        torch.testing.assert_close(logits[b, 0], lg_ref[0, -1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(feats[:-1][seg[:-1] == b, 0], f_ref[0], rtol=1e-5, atol=1e-5)
+        n = lengths[b]
+        for cache in ("k_cache", "v_cache"):
+            got, ref = getattr(joint, cache)[:, b, :, :n], getattr(apart, cache)[:, b, :, :n]
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch,fused,attention", [("llama_hd16", False, "sdpa"), ("llama_hd16", True, "live")])
+def test_verify_rows_and_packed_rows_in_one_forward(arch, fused, attention):
+    """A verify block and a packed prompt in one ``forward_rows`` (a mixed step) give the logits and
+    cache of the two run apart, in float32."""
+    if fused and not use_triton(torch.device("cpu")):
+        pytest.skip("the fused layers run on the CPU only under TRITON_INTERPRET=1")
+    t = TargetModel(build(arch), layer_ids=[0, 2])
+    apart, joint = (StaticTarget(t, 64, attention=attention, page_size=64, num_pages=4, fused=fused) for _ in "ab")
+    g = torch.Generator().manual_seed(2)
+    prompts = torch.randint(3, 90, (2, 10), generator=g)
+    tables = torch.arange(3, dtype=torch.int32)[:, None]
+    for st in (apart, joint):
+        st.forward(prompts, torch.zeros(2, dtype=torch.long), kv_len=10, tables=tables[:2])
+    block, chunk = torch.randint(3, 90, (2, 3), generator=g), torch.randint(3, 90, (7,), generator=g)
+    verify = Rows(block, torch.full((2,), 10), tables[:2], 13)
+    seg = torch.zeros(8, dtype=torch.long)  # 7 tokens and one padding token, page 2
+    packed = Rows(
+        torch.cat([chunk, chunk[:1]])[:, None], torch.arange(8), tables[seg], last=torch.tensor([6, 0]), segment=seg
+    )
+    want = [apart.forward_rows([verify])[0], apart.forward_rows([packed])[0]]
+    got = joint.forward_rows([verify, packed])
+    for (lg, f), (lg_ref, f_ref) in zip(got, want):
+        assert lg.shape == lg_ref.shape
+        torch.testing.assert_close(lg, lg_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(f, f_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(joint.k_cache, apart.k_cache, rtol=1e-5, atol=1e-5)

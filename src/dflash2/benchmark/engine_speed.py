@@ -39,7 +39,7 @@ class ConcurrencyRow:
     planner_state: dict = field(default_factory=dict)
     # mean live step ms and step count by "bucket x width" (width 0: the target alone beside a drafter)
     step_ms_by_shape: dict = field(default_factory=dict)
-    # the graph runner's padded prefills: "RxL" (rows x length) or "mixL" (in a step) -> [replays, real tokens]
+    # the graph runner's packed prefills: "T" (tokens) or "mixT" (in a step) -> [replays, real tokens]
     prefill_shapes: dict = field(default_factory=dict)
     # of a step: host time outside the runner's step (the planner's choice before it, observation and
     # bookkeeping after), where a fixed width and the planner differ

@@ -136,8 +136,11 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 def mixed_chunk_default(paged: bool, device: torch.device, disable_cuda_graph: bool) -> bool:
-    """``--enable-mixed-chunk`` unset: on where the static runner replays CUDA graphs over a pool of pages."""
-    return paged and device.type == "cuda" and not disable_cuda_graph
+    """``--enable-mixed-chunk`` unset: off. Why: with the packed prefill (35th session) a mixed step at
+    the 8B shape on the H200 returned an accepted count past the width at 32 requests (an IndexError in
+    the engine; not reproduced on the CPU, eager), while the unmixed engine gave 1.74x there. Until
+    that is found the flag is opt-in; the rule it had (graphs over a pool of pages) is kept here."""
+    return False
 
 
 @dataclass

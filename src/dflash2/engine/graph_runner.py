@@ -18,7 +18,6 @@ sampled, draft or verify. Same methods as :class:`ModelRunner` (the :class:`.ste
 from __future__ import annotations
 
 import gc
-import math
 import time
 import warnings
 from functools import partial
@@ -47,20 +46,19 @@ KV_BUCKETS = (1024,)
 # 70% of what it gathered and multiplied was masked out.
 KV_BUCKETS_LIVE = (256, 512, 1024)
 KV_BUCKETS_EAGER = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-# A new request's prompt, prefilled alone (one request admitted as another finishes: the usual case
-# under continuous batching), is padded to one of these lengths and replayed as a graph: eager, its
-# 30-layer forward was ~2,400 kernel launches, 20-50 ms on the H200 for any length, against 2-6 ms
-# for a decode step (docs/benchmarks.md, sixteenth session).
-PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
-# Several new requests' first chunks prefilled in one call (admission after a wave of requests ends)
-# are padded to a rows bucket too, up to PREFILL_GRAPH_TOKENS padded tokens a graph: eager, such a
-# call of 14 x 150 tokens cost 60-75 ms on the H200 (docs/benchmarks.md, seventeenth session).
-# Every shape is captured at start-up, none while serving: captured at first use, the shapes a
-# changed admission pattern met cost ~0.15 s each inside the run (the planner's rows on the H200 spent
-# half their wall in prefill, docs/benchmarks.md, eighteenth session). Few row buckets keep the
-# captures few (17 shapes, 34 graphs with a drafter); a group of rows past them prefills eagerly.
-PREFILL_ROWS = (1, 4, 16)
-PREFILL_GRAPH_TOKENS = 4096
+# New requests' first prompt chunks go through captured graphs, back to back in one token dimension
+# (a packed group: StaticTarget's Rows.segment), padded at the end to one of these totals. Why graphs:
+# eager, a 30-layer prefill was ~2,400 kernel launches, 20-50 ms on the H200 for any length, against
+# 2-6 ms for a decode step (docs/benchmarks.md, sixteenth session); every total is captured at
+# start-up, none while serving (captured at first use, the shapes a changed admission pattern met cost
+# ~0.15 s each inside the run, eighteenth session). Why packed: padded to shared (rows, length) buckets
+# the prompts did 1.6x the compute of their tokens at 64 requests of the 8B shape and prefill was 43%
+# of the wall (thirty-fourth session); packed, only the total is rounded up.
+PREFILL_TOKENS = (32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+# Several prompts share a replay up to this many tokens (one longer prompt goes alone, up to the
+# largest total): the packed attention is one masked [T, T] product, so past ~1,000 tokens it costs
+# more than a second replay saves (a replay of that many tokens is compute-bound anyway).
+PACKED_MAX_TOKENS = 1024
 # --enable-mixed-chunk: a new request's whole prompt, padded to one of these lengths, runs inside a
 # decode step's forward (StaticTarget.forward_rows), so it shares that step's read of the weights. Why: at
 # the 8B shape a small batch's step and a ~110-token prefill each cost a read of the 16 GB of weights
@@ -75,40 +73,25 @@ MIXED_PREFILL_LENGTHS = (128, 256, 512)
 MIXED_MAX_STEP_TOKENS = 128
 
 
-def plan_prefill(
-    lengths: list[int], shapes: list[tuple[int, int]], cost: dict[tuple[int, int], float] | None = None
-) -> list[tuple[int, int, list[int]]] | None:
-    """First chunks of ``lengths`` tokens into padded prefill graphs of ``shapes`` ((rows, length)
-    buckets): ``[(rows, length, chunk indices)]``, one replay each; None where no plan holds them.
-    Without ``cost``: one replay of the smallest bucket that holds every chunk. With ``cost`` (seconds
-    of each shape's replay, timed at start-up): the chunks, longest first, cut into consecutive groups
-    at the least total cost (a padded row costs a whole row: compute at a large target, little at a
-    small one, where a replay's fixed cost wins). Why: with trickling admissions (speculative requests
-    finish at different steps) 5-9 new requests took the 16-row bucket, and an 8B-shaped target's
-    prefill did 3.8x the compute of its real tokens; prefill took 26% of the wall and the engine
-    served 0.90x of the target alone at 64 requests (docs/benchmarks.md, twenty-seventh session)."""
-    n = len(lengths)
-    if not cost:
-        fits = [(R * L, R, L) for R, L in shapes if R >= n and L >= max(lengths)]
-        return [(min(fits)[1], min(fits)[2], list(range(n)))] if fits else None
-    order = sorted(range(n), key=lambda i: -lengths[i])
-    rows = max((R for R, _ in shapes), default=0)
-    best: list[float] = [0.0] + [math.inf] * n  # best[i]: the cheapest plan of the i longest chunks
-    cut: list[tuple[int, int, int]] = [(0, 0, 0)] * (n + 1)
-    for i in range(1, n + 1):
-        for j in range(max(0, i - rows), i):  # the group order[j:i], its longest chunk order[j]
-            priced = [(cost[R, L], R, L) for R, L in shapes if (R, L) in cost and R >= i - j and L >= lengths[order[j]]]
-            if priced and best[j] + min(priced)[0] < best[i]:
-                c, R, L = min(priced)
-                best[i], cut[i] = best[j] + c, (j, R, L)
-    if math.isinf(best[n]):
+def pack_prefill(lengths: list[int], totals: tuple[int, ...], rows: int) -> list[tuple[int, list[int]]] | None:
+    """First chunks of ``lengths`` tokens packed into replays of the token ``totals`` (smallest
+    first): ``[(total, chunk indices)]``, longest chunk first into the first replay that holds it
+    (at most ``rows`` chunks and :data:`PACKED_MAX_TOKENS` tokens a replay, a longer chunk alone),
+    each replay the smallest total that holds its chunks; None where a chunk is past every total."""
+    if not totals or max(lengths) > totals[-1]:
         return None
-    plan, i = [], n
-    while i:
-        j, R, L = cut[i]
-        plan.append((R, L, [order[k] for k in range(j, i)]))
-        i = j
-    return plan[::-1]
+    cap = min(PACKED_MAX_TOKENS, totals[-1])
+    bins: list[list[int]] = []
+    used: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        k = next((b for b, u in enumerate(used) if u + lengths[i] <= cap and len(bins[b]) < rows), None)
+        if k is None:
+            bins.append([])
+            used.append(0)
+            k = len(bins) - 1
+        bins[k].append(i)
+        used[k] += lengths[i]
+    return [(next(t for t in totals if t >= u), idx) for u, idx in zip(used, bins)]
 
 
 def page_of(tables: torch.Tensor, pos: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +201,7 @@ class GraphModelRunner:
         ``compile_draft``: the draft's layers and latents through ``torch.compile`` where the graphs
         are captured (:meth:`DFlash2DraftModel.compile_layers`). ``mixed_chunk``: a new request's prompt
         may run inside a step's forward (:data:`MIXED_PREFILL_LENGTHS`; paged pools only).
-        ``prefill_graphs``: first prompt chunks through padded (rows, length) buckets' functions
+        ``prefill_graphs``: first prompt chunks packed through the functions of :data:`PREFILL_TOKENS`
         (default: with a paged pool, or one slot where graphs are captured)."""
         self.target, self.draft, self.w, self.max_len = target, draft, width, max_len
         # the widths a step may verify (the planner's choices): the full one, and 1 = the target alone
@@ -307,30 +290,26 @@ class GraphModelRunner:
             )
             self.ctx_pos = torch.arange(max_len, **lng)[None]
         self.pool = torch.cuda.graph_pool_handle() if self.use_graph else None
-        # new requests' first prompt chunks, padded to (rows, length) buckets (paged pools: padded
-        # positions land past the prompt or on the scratch page, as in prefill_batch; padded rows
-        # on the scratch page): ids, each row's last real position, its table. One slot (batch 1)
-        # has no scratch page and never pads rows: its prompt alone, padded to a length, where
-        # graphs are captured (eager, a padded prompt is only more work). Why: eager, an 8B prompt's
-        # prefill took ~26 ms at batch 1 on the H200, 11% of DFlash2's wall against 4% of the
-        # target alone's (docs/benchmarks.md, thirty-first session).
-        padded = self.paged or (num_slots == 1 and self.use_graph) if prefill_graphs is None else prefill_graphs
-        self.prefill_buckets = tuple(b for b in PREFILL_BUCKETS if b <= max_len) if padded else ()
-        # (fewer slots than the largest rows bucket: the slot count is the largest)
-        rows = {r for r in PREFILL_ROWS if r < num_slots} | {min(max(PREFILL_ROWS), num_slots)}
-        self.prefill_rows = tuple(sorted(rows)) if padded else ()
-        L, R = max(self.prefill_buckets, default=0), max(self.prefill_rows, default=0)
-        self.pf_ids = torch.zeros(R, L, **lng)
-        self.pf_last = torch.zeros(R, **lng)
-        self.pf_table = self.tables[:R].clone()
-        self.prefill_graphs: dict[tuple[int, int, bool], tuple[Replay, dict]] = {}  # (rows, length, latents)
-        self.prefill_shapes: dict[str, list[int]] = {}  # "RxL" / "mixL": [replays, real tokens]
-        # a batch of requests that do not draft runs the target alone: width 1 without the latent writes
-        self.plain_graphs = draft is not None and 1 in self.verify_widths
-        # a step's graphs may carry one new request's prompt of these (padded) lengths
+        # new requests' first prompt chunks, packed (PREFILL_TOKENS; paged pools: a padded token
+        # continues the last prompt, its K/V past that prompt or on the scratch page, as in
+        # prefill_batch). One slot (batch 1) packs where graphs are captured only: eager, padding is
+        # only more work. Why: eager, an 8B prompt's prefill took ~26 ms at batch 1 on the H200, 11%
+        # of DFlash2's wall against 4% of the target alone's (docs/benchmarks.md, thirty-first session).
+        packed = self.paged or (num_slots == 1 and self.use_graph) if prefill_graphs is None else prefill_graphs
+        self.prefill_tokens = tuple(t for t in PREFILL_TOKENS if t <= max_len) if packed else ()
         if mixed_chunk and not st.paged:
             raise ValueError("--enable-mixed-chunk: needs a paged KV pool (more than one running request)")
+        # a step's graphs may carry one new request's prompt of these (padded) lengths
         self.mixed_lengths = tuple(L for L in MIXED_PREFILL_LENGTHS if L <= max_len) if mixed_chunk else ()
+        # the packed tokens: id, position, prompt (row of pf_table); each prompt's last token and table
+        T, R = max(self.prefill_tokens + self.mixed_lengths, default=0), min(num_slots, PACKED_MAX_TOKENS)
+        self.pf = torch.zeros(3, T, **lng)
+        self.pf_last = torch.zeros(R, **lng)
+        self.pf_table = self.tables[:R].clone()
+        self.prefill_graphs: dict[tuple[int, bool], tuple[Replay, dict]] = {}  # (tokens, latents)
+        self.prefill_shapes: dict[str, list[int]] = {}  # "T" / "mixT": [replays, real tokens]
+        # a batch of requests that do not draft runs the target alone: width 1 without the latent writes
+        self.plain_graphs = draft is not None and 1 in self.verify_widths
         # kind, B, greedy, kv_len, w, and the padded length of a prompt run with the step (0: none)
         self.graphs: dict[tuple[str, int, bool, int, int, int], tuple[Replay, dict]] = {}
         # Capture every bucket now, largest first so smaller ones reuse its memory (a capture inside a
@@ -362,17 +341,13 @@ class GraphModelRunner:
                 self.graphs = {k: v for k, v in self.graphs.items() if k[2] != greedy}
         self.prefill_graphed = self.use_graph
         try:  # (off CUDA: the same functions, called eagerly)
-            for R, L in reversed(self._prefill_shapes()):
-                self._capture_prefill(R, L)
+            for T in reversed(self.prefill_tokens):
+                self._capture_prefill(T)
         except RuntimeError as e:
             warnings.warn(f"CUDA graph capture of prefill failed ({type(e).__name__}: {e}); prefill runs eagerly")
             self.prefill_graphed, self.prefill_graphs = False, {}
-            for R, L in self._prefill_shapes():
-                self._capture_prefill(R, L)
-        # seconds per padded prefill shape (graphs only: the plan then weighs padding against replays)
-        self.prefill_cost = self._time_prefill() if self.prefill_graphed and len(self.prefill_rows) > 1 else {}
-        if target.tp is not None:  # every rank plans its prefills by rank 0's clock, so all plan alike
-            self.prefill_cost = target.tp.share(self.prefill_cost)
+            for T in self.prefill_tokens:
+                self._capture_prefill(T)
 
     # ---- slots --------------------------------------------------------------------------------
     def _index(self, reqs: list[Request]) -> tuple[torch.Tensor | slice, int, int]:
@@ -467,7 +442,7 @@ class GraphModelRunner:
     def _graph(self, kind: str, B: int, greedy: bool, kv_len: int, width: int = 0, mix: int = 0) -> tuple[Replay, dict]:
         """The buckets' graph (captured at start-up on CUDA; eager functions otherwise). ``width``:
         the verify width (the draft always builds the full block); ``mix``: the padded length of the
-        new prompt run with the step (``pf_ids[:1, :mix]``; 0: none)."""
+        new prompt run with the step (``pf[:, :mix]``, packed; 0: none)."""
         key = (kind, B, greedy, kv_len, width or self.w, mix)
         if key not in self.graphs:
             out: dict = {}
@@ -497,107 +472,89 @@ class GraphModelRunner:
         self.stale.add(req.slot)
         return last if req.prefill_pos == len(prefill_ids(req)) else None
 
-    def _prefill_shapes(self) -> list[tuple[int, int]]:
-        """The (rows, length) buckets of padded first chunks, smallest first."""
-        return [
-            (R, L) for L in self.prefill_buckets for R in self.prefill_rows if R == 1 or R * L <= PREFILL_GRAPH_TOKENS
-        ]
-
-    @torch.no_grad()
-    def _time_prefill(self, repeats: int = 3) -> dict[tuple[int, int], float]:
-        """Each prefill graph's replay, synchronised, the fastest of ``repeats`` (the drafting variant
-        where there is a drafter); every row writes the scratch page only (before any request)."""
-        self.pf_last.zero_()
-        self.pf_table.fill_(self.static.scratch)
-        latents, out = self.draft is not None, {}
-        for (R, L, lat), (replay, _) in self.prefill_graphs.items():
-            if lat == latents:
-                replay()  # once untimed
-                times = []
-                for _ in range(repeats):
-                    torch.cuda.synchronize(self.target.device)
-                    t0 = time.perf_counter()
-                    replay()
-                    torch.cuda.synchronize(self.target.device)
-                    times.append(time.perf_counter() - t0)
-                out[(R, L)] = min(times)
-        return out
-
-    def _capture_prefill(self, R: int, L: int) -> None:
-        """Both variants of a shape: with the draft's latents (requests that draft) and without
+    def _capture_prefill(self, T: int) -> None:
+        """Both variants of a total: with the draft's latents (requests that draft) and without
         (requests the planner admitted not drafting: no drafter work in their prefill)."""
         for latents in (True, False) if self.draft is not None else (False,):
             out: dict = {}
             with torch.no_grad():
-                self.prefill_graphs[(R, L, latents)] = (
-                    Replay(partial(self._prefill_fn, R, L, latents, out), self.prefill_graphed, self.pool),
+                self.prefill_graphs[(T, latents)] = (
+                    Replay(partial(self._prefill_fn, T, latents, out), self.prefill_graphed, self.pool),
                     out,
                 )
 
-    def _prefill_fn(self, R: int, L: int, latents: bool, out: dict) -> None:
-        """``R`` requests' first chunks, ``pf_ids[:R, :L]`` from position 0 through ``pf_table``: K/V
-        (and the draft's latents) of every row, padded ones included (never read: a query reads keys
-        up to its own position, each written before it is read), and each row's logits at ``pf_last``."""
-        self._prefill_out(R, L, latents, self.static.forward_rows([self._prefill_rows(R, L)])[0], out)
+    def _prefill_fn(self, T: int, latents: bool, out: dict) -> None:
+        """The packed first chunks, ``T`` tokens of ``pf``: K/V (and the draft's latents) of every
+        token, padding included (never read: a query reads keys up to its own position, each written
+        before it is read), and each prompt's last logits row at ``pf_last``."""
+        rows = self._prefill_rows(T)
+        self._prefill_out(rows, latents, self.static.forward_rows([rows])[0], out)
 
-    def _prefill_rows(self, R: int, L: int) -> Rows:
-        return Rows(self.pf_ids[:R, :L], self.pf_last.new_zeros(R), self.pf_table[:R], L, self.pf_last[:R])
+    def _prefill_rows(self, T: int) -> Rows:
+        ids, pos, seg = self.pf[:, :T]
+        return Rows(ids[:, None], pos, self.pf_table[seg], last=self.pf_last, segment=seg)
 
-    def _prefill_out(self, R: int, L: int, latents: bool, result: tuple, out: dict) -> None:
-        """A prefill's outputs: the draft's latents of its rows (``latents``), its logits to ``out``."""
+    def _prefill_out(self, rows: Rows, latents: bool, result: tuple, out: dict) -> None:
+        """A prefill's outputs: the draft's latents of its tokens (``latents``), its logits to ``out``."""
         logits, feats = result
         if latents:
-            pos = self.ctx_pos[:, :L].expand(R, L)
-            page, off = page_of(self.pf_table[:R], pos, self.page)
+            pos = rows.start[:, None]
+            page, off = page_of(rows.tables, pos, self.page)
             self.lat[:, page, off] = self.draft.graph_rows(feats, pos).to(self.lat.dtype)
         out["pf_logits"] = logits
 
-    def _prefill_padded(self, chunks: list[tuple[Request, int]]) -> list[torch.Tensor | None] | None:
-        """Requests' first chunks through padded (rows, length) buckets' graphs, as
-        :func:`plan_prefill` groups them; None where no plan fits (a later chunk, prompt logprobs, a
-        chunk past every bucket): the caller runs them eagerly."""
+    def _prefill_packed(self, chunks: list[tuple[Request, int]]) -> list[torch.Tensor | None] | None:
+        """Requests' first chunks through the packed graphs, as :func:`pack_prefill` groups them; None
+        where no plan fits (a later chunk, prompt logprobs, a chunk past every total): the caller runs
+        them eagerly."""
         if not self.prefill_graphs or any(
             r.prefill_pos or (r.sampling.prompt_logprobs is not None and not r.output_ids) for r, _ in chunks
         ):
             return None
-        plan = plan_prefill([k for _, k in chunks], self._prefill_shapes(), self.prefill_cost)
+        plan = pack_prefill([k for _, k in chunks], self.prefill_tokens, self.pf_last.shape[0])
         if plan is None:
             return None
         out: list[torch.Tensor | None] = [None] * len(chunks)
-        for g, (R, L, idx) in enumerate(plan):
-            last = self._replay_prefill([chunks[i] for i in idx], R, L)
-            if any((R, L) == (R2, L2) for R2, L2, _ in plan[g + 1 :]):  # the next replay overwrites its output
+        for T, idx in plan:
+            last = self._replay_prefill([chunks[i] for i in idx], T)
+            if len(plan) > 1:  # a later replay overwrites the graph's output
                 last = [x if x is None else x.clone() for x in last]
             for i, x in zip(idx, last):
                 out[i] = x
         return out
 
-    def _replay_prefill(self, chunks: list[tuple[Request, int]], R: int, L: int) -> list[torch.Tensor | None]:
-        """First chunks (at most ``R``, each at most ``L`` tokens) through the (R, L) graph."""
-        self._load_prefill(chunks, R, L)
-        replay, out = self.prefill_graphs[(R, L, self.draft is not None and any(r.speculate for r, _ in chunks))]
+    def _replay_prefill(self, chunks: list[tuple[Request, int]], T: int) -> list[torch.Tensor | None]:
+        """First chunks (``T`` tokens at most in all) through the packed graph of ``T`` tokens."""
+        self._load_prefill(chunks, T)
+        replay, out = self.prefill_graphs[(T, self.draft is not None and any(r.speculate for r, _ in chunks))]
         replay()
-        self._count_prefill(f"{R}x{L}", chunks)
-        return [self._prefilled(req, k, out["pf_logits"][b, -1]) for b, (req, k) in enumerate(chunks)]
+        self._count_prefill(str(T), chunks)
+        return [self._prefilled(req, k, out["pf_logits"][b, 0]) for b, (req, k) in enumerate(chunks)]
 
     def _count_prefill(self, shape: str, chunks: list[tuple[Request, int]]) -> None:
-        # padded replays by shape: [replays, real prompt tokens] (bench speed reports the padding)
+        # packed replays by total: [replays, real prompt tokens] (bench speed reports the padding)
         n = self.prefill_shapes.setdefault(shape, [0, 0])
         n[0], n[1] = n[0] + 1, n[1] + sum(k for _, k in chunks)
 
-    def _load_prefill(self, chunks: list[tuple[Request, int]], R: int, L: int) -> None:
-        """First chunks (each request seated) into ``pf_ids[:R, :L]``, ``pf_last`` and ``pf_table``."""
+    def _load_prefill(self, chunks: list[tuple[Request, int]], T: int) -> None:
+        """First chunks (each request seated) back to back into ``pf[:, :T]``, each prompt's last
+        token into ``pf_last``, its table into ``pf_table``; the padding continues the last prompt."""
         dev = self.target.device
-        rows = []
-        for req, k in chunks:
+        ids: list[int] = []
+        pos: list[int] = []
+        seg: list[int] = []
+        last = [0] * self.pf_last.shape[0]
+        for b, (req, k) in enumerate(chunks):
             self._seat(req)
-            rows.append(prefill_ids(req)[:k] + [0] * (L - k))
-        real = len(chunks)
-        self.pf_ids[:real, :L] = steps.h2d(rows, torch.long, dev)
-        self.pf_last[:real] = steps.h2d([k - 1 for _, k in chunks], torch.long, dev)
-        self.pf_table[:real] = self.tables[steps.h2d([r.slot for r, _ in chunks], torch.long, dev)]
-        self.pf_last[real:R] = 0
-        self.pf_table[real:R] = self.static.scratch  # padded rows write to the scratch page only
+            ids += prefill_ids(req)[:k]
+            pos += range(k)
+            seg += [b] * k
+            last[b] = len(ids) - 1
+        pad = T - len(ids)
+        meta = [ids + [0] * pad, pos + list(range(pos[-1] + 1, pos[-1] + 1 + pad)), seg + [len(chunks) - 1] * pad]
+        self.pf[:, :T] = steps.h2d(meta, torch.long, dev)
+        self.pf_last.copy_(steps.h2d(last, torch.long, dev))
+        self.pf_table[: len(chunks)] = self.tables[steps.h2d([r.slot for r, _ in chunks], torch.long, dev)]
 
     def _verify_kv(self, kv_len: int) -> int:
         """The prefix a verify graph is keyed by: the live kernel reads live keys whatever the prefix."""
@@ -615,10 +572,10 @@ class GraphModelRunner:
     ) -> None:
         groups = [Rows(self.ids[:B, :w], self.start[:B], self.tables[:B], kv_len)]
         if mix:  # a new prompt in the same forward (its latents where the step's are written)
-            groups.append(self._prefill_rows(1, mix))
+            groups.append(self._prefill_rows(mix))
         (logits, feats), *prefill = self.static.forward_rows(groups)
         if prefill:
-            self._prefill_out(1, mix, latents and self.draft is not None, prefill[0], out)
+            self._prefill_out(groups[1], latents and self.draft is not None, prefill[0], out)
         logits = steps.suppress_stops(logits, self.stop_mask[:B], self.owed[:B])
         if (
             self.draft is not None and latents
@@ -668,8 +625,8 @@ class GraphModelRunner:
         ``start`` = the prompt's end, rows its own first verify overwrites."""
         ids, p, dev = prefill_ids(req), req.prefill_pos, self.target.device
         chunk = ids[p : p + (max_tokens or len(ids))]
-        if chunk and (padded := self._prefill_padded([(req, len(chunk))])) is not None:
-            return padded[0]
+        if chunk and (packed := self._prefill_packed([(req, len(chunk))])) is not None:
+            return packed[0]
         s = self._seat(req)
         table = self.tables[s : s + 1]
         every_row = req.sampling.prompt_logprobs is not None and not req.output_ids
@@ -712,8 +669,8 @@ class GraphModelRunner:
         batchable = self.paged and len(chunks) > 1
         if not batchable or any(r.prefill_pos + width > cap for r, _ in chunks):
             return [self.prefill(r, n) for r, n in chunks]  # a row near the end of its table goes alone
-        if (padded := self._prefill_padded(chunks)) is not None:  # first chunks: a graph's replay
-            return padded
+        if (packed := self._prefill_packed(chunks)) is not None:  # first chunks: a graph's replay
+            return packed
         dev = self.target.device
         rows, starts, lens = [], [], []
         for req, n in chunks:
@@ -818,7 +775,7 @@ class GraphModelRunner:
             and self.mixable(*prefill)
         ):
             mix = next(L for L in self.mixed_lengths if prefill[1] <= L)
-            self._load_prefill([prefill], 1, mix)  # (seated first: the step's bucket covers its slot)
+            self._load_prefill([prefill], mix)  # (seated first: the step's bucket covers its slot)
         idx, B, kv_len = self._load(reqs, sampling)
         greedy = sampling is None
         if w > 1:
@@ -828,7 +785,7 @@ class GraphModelRunner:
         replay()
         first = None
         if mix and prefill:
-            first = self._prefilled(prefill[0], prefill[1], out["pf_logits"][0, -1])
+            first = self._prefilled(prefill[0], prefill[1], out["pf_logits"][0, 0])
             self._count_prefill(f"mix{mix}", [prefill])
         self.clock.run(overlap)  # host work while the GPU runs (replays are asynchronous on CUDA)
         res = steps.finish_step(out["rows"][idx], t0, t1, self.clock)

@@ -28,7 +28,14 @@ from .adapter import TargetModel
 class Rows:
     """One group of a forward's rows (:meth:`StaticTarget.forward_rows`): ``ids [B, L]``, row ``b``
     from position ``start[b]`` through its pages ``tables[b]``; ``kv_len``, ``last`` and ``slot`` as
-    in :meth:`StaticTarget.forward`."""
+    in :meth:`StaticTarget.forward`.
+
+    ``segment [T]``: the group is packed, prompts back to back (``ids [T, 1]``): row ``t`` is one
+    token, of prompt ``segment[t]`` at position ``start[t]`` through ``tables[t]``. Every prompt
+    starts at position 0 and has all its tokens here, so a token attends to its own prompt's tokens
+    up to its position and to nothing in the cache; ``last [R]``: the token rows whose logits come out.
+    Why: prompts padded to a shared (rows, length) shape did 1.6x the compute of their tokens at
+    64 requests of the 8B shape (docs/benchmarks.md, thirty-fourth session)."""
 
     ids: torch.Tensor
     start: torch.Tensor
@@ -36,6 +43,7 @@ class Rows:
     kv_len: int | None = None
     last: torch.Tensor | None = None
     slot: int = 0
+    segment: torch.Tensor | None = None
 
 
 @dataclass
@@ -51,6 +59,7 @@ class _Part:
     mask: torch.Tensor | None  # None: the live kernel
     cos: torch.Tensor
     sin: torch.Tensor
+    at: tuple[torch.Tensor, torch.Tensor] | None = None  # packed: each token's (page, offset)
 
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -189,13 +198,20 @@ class StaticTarget:
             B, L = g.ids.shape
             pos = g.start[:, None] + self.kv_index[:L]  # [B, L]
             mask = None  # live: the kernel reads each row's keys 0 .. its position, nothing stale
-            if not (self.attention == "live" and L * (self.n_heads // self.n_kv) <= LIVE_MAX_ROWS):
+            at = None
+            if g.segment is not None:  # packed: key j visible to token t iff same prompt and j's position <= t's
+                seg, p = g.segment, g.start
+                seen = (seg[:, None] == seg[None, :]) & (p[None, :] <= p[:, None])
+                mask = torch.where(seen, 0.0, self.neg).to(self.target.dtype)[None, None]
+                page, off = g.tables.gather(1, pos // self.page_size).long(), pos % self.page_size
+                at = (page[:, 0], off[:, 0])
+            elif not (self.attention == "live" and L * (self.n_heads // self.n_kv) <= LIVE_MAX_ROWS):
                 # additive mask: key j is visible to the query at position p iff j <= p (stale rows are > p)
                 kv_index = self.kv_index[: g.kv_len]
                 mask = torch.where(kv_index <= pos[..., None], 0.0, self.neg).to(self.target.dtype)[:, None]
             x = self.inner.embed_tokens(g.ids)
             cos, sin = self.inner.rotary_emb(x, pos)
-            parts.append(_Part(g, B, L, s, s + B * L, pos, mask, cos, sin))
+            parts.append(_Part(g, B, L, s, s + B * L, pos, mask, cos, sin, at))
             xs.append(x.reshape(B * L, -1))
             s += B * L
         x = xs[0] if len(xs) == 1 else torch.cat(xs)
@@ -204,6 +220,8 @@ class StaticTarget:
         heads = [  # (a device arange: an index from the host would be copied in, which a graph capture refuses)
             h[p.s : p.e]
             if p.rows.last is None
+            else h[p.s : p.e][p.rows.last]
+            if p.at is not None
             else h[p.s : p.e].view(p.B, p.L, -1)[torch.arange(p.B, device=h.device), p.rows.last]
             for p in parts
         ]
@@ -211,7 +229,7 @@ class StaticTarget:
         out, at = [], 0
         for p, head in zip(parts, heads):
             n = 1 if p.rows.last is not None else p.L
-            lg = logits[at : at + head.shape[0]].view(p.B, n, -1)
+            lg = logits[at : at + head.shape[0]].view(-1, n, logits.shape[-1])
             at += head.shape[0]
             f = feats[p.s : p.e].view(p.B, p.L, -1) if feats is not None else x.new_empty(p.B, p.L, 0)
             out.append((lg, f))
@@ -292,6 +310,8 @@ class StaticTarget:
         """``q [B, H, L, d]`` (rotated; this block's K/V already in the cache) -> ``[B*L, H*d]``, the
         input of ``o_proj``."""
         B, L, tables = p.B, p.L, p.rows.tables
+        if p.at is not None:  # packed: its own tokens' K/V, just written, read back as one sequence
+            return self._attend_packed(q, p, layer)
         if p.mask is None:  # live
             out = live_attention(q, self.k_cache[layer], self.v_cache[layer], tables, p.rows.start, self.scaling)
             return out.transpose(1, 2).reshape(B * L, self.n_heads * self.head_dim)
@@ -311,6 +331,17 @@ class StaticTarget:
         else:
             out = self._grouped_attention(q, k_cache, v_cache, p.mask)
         return out.transpose(1, 2).reshape(B * L, self.n_heads * self.head_dim)
+
+    def _attend_packed(self, q: torch.Tensor, p: _Part, layer: int) -> torch.Tensor:
+        """A packed group's attention: ``q [T, H, 1, d]`` over the group's ``T`` keys under its
+        segment-causal mask. The KV heads are repeated to the query heads (``[T, H, d]``, a few MB) so
+        SDPA takes a masked kernel without ``enable_gqa``."""
+        T, g = p.B, self.n_heads // self.n_kv
+        page, off = p.at
+        k = self.k_cache[layer][page, :, off].repeat_interleave(g, 1).transpose(0, 1)[None]  # [1, H, T, d]
+        v = self.v_cache[layer][page, :, off].repeat_interleave(g, 1).transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 2), k, v, attn_mask=p.mask, scale=self.scaling)
+        return out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim)
 
     def _grouped_attention(self, q, k_cache, v_cache, mask):
         """Attention as two batched matmuls, the query heads of each KV head stacked as rows (head
