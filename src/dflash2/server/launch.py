@@ -34,7 +34,7 @@ def add_serve_parser(sub) -> None:
         default=None,
         help="a new request's whole prompt (up to 512 tokens) runs inside a small decode step's forward, "
         "sharing its read of the weights (the static-slot runner with more than one running request; "
-        "default: on where that runner replays CUDA graphs)",
+        "default: off, a failure with the packed prefill on the H200 is open: docs/benchmarks.md, 35th session)",
     )
     p.add_argument(
         "--disable-mixed-chunk", dest="enable_mixed_chunk", action="store_const", const=False, help="never mix"
