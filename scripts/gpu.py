@@ -739,7 +739,7 @@ def stage_engine(args) -> None:
                 runner._load([req], None)  # the slot's anchor and position
                 for kind in ("draft", "verify"):
                     for kv_len in runner.kv_buckets:  # attending over a prefix, and over the whole buffer
-                        step, _ = runner._graph(kind, 1, True, kv_len)
+                        step, _ = runner._graph(kind, 1, True, kv_len, make=True)
                         times[f"max_len {max_len} kv {kv_len} w{w} {kind}"] = round(replay_ms(step), 3)
                 del runner
         log(f"graph replay ms: {json.dumps(times)}")
@@ -864,7 +864,7 @@ def stage_steps(args) -> None:
                 # plain: width 1 of requests that do not draft (no latent writes), the auto planner's
                 # target-alone step, against the target-alone engine's own verify w1 below
                 for kind, w in [k for k in (("draft", 5), ("verify", 5), ("verify", 1), ("plain", 1)) if k[0] in kinds]:
-                    step, _ = runner._graph(kind, B, greedy, 1088, w)
+                    step, _ = runner._graph(kind, B, greedy, 1088, w, make=True)
                     key = f"{attention} {sampler} B{B} {'greedy' if greedy else 'T=1'} {kind} w{w}"
                     times[key] = round(replay_ms(step, n), 3)
                     runner.start[:B] = 300  # the verify graph moves positions on
@@ -882,7 +882,7 @@ def stage_steps(args) -> None:
                 plain._load(reqs, BatchSampling(*(getattr(sampling, f)[:, :0] if getattr(sampling, f).dim() == 2
                                                   else getattr(sampling, f) for f in BatchSampling.__dataclass_fields__)))  # fmt: skip
                 for greedy in (True, False):
-                    step, _ = plain._graph("verify", B, greedy, 1088, 1)
+                    step, _ = plain._graph("verify", B, greedy, 1088, 1, make=True)
                     key = f"{attention} {sampler} B{B} {'greedy' if greedy else 'T=1'} target-alone verify w1"
                     times[key] = round(replay_ms(step, n), 3)
                     plain.start[:B] = 300

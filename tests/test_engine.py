@@ -194,6 +194,24 @@ def test_mixed_chunk_only_in_small_steps(llama, monkeypatch):
     assert eng.runner.mixes(1, 5) and not eng.runner.mixes(2, 5)
 
 
+def test_mixed_chunk_keys_on_the_bucket_with_the_new_slot(llama, monkeypatch):
+    """Two requests decoding (bucket 2) and a third admitted: seating it moves the step to bucket 3,
+    where a width-5 step takes no prompt. The step must not mix there (it once asked for a graph that
+    start-up never captured: on the H200 captured mid-step, it returned accepted counts past the
+    width, thirty-sixth session); every step asks only for graphs made at start-up."""
+    t, d = llama
+    prompts = _prompts(7, seed=13)
+    lengths = (30, 3, 3)  # two finish together: one decoding, a prompt joins at bucket 2
+    _, apart = _run(t, d, prompts, "static", max_new=lengths)
+    monkeypatch.setattr(graph_runner, "MIXED_MAX_STEP_TOKENS", 10)  # 2 x 5 mixes, 3 x 5 does not
+    eng, mixed = _run(t, d, prompts, "static", max_new=lengths, mixed_chunk=True)
+    assert eng.runner.mixes(2, 5) and not eng.runner.mixes(3, 5)
+    assert eng.stats.prompts_mixed > 0
+    assert [r.output_ids for r in mixed] == [r.output_ids for r in apart]
+    with pytest.raises(RuntimeError, match="no graph was made at start-up"):
+        eng.runner._graph("verify", 3, True, eng.runner._verify_kv(eng.runner.kv_buckets[0]), 5, 128)
+
+
 def test_mixed_chunk_refused_by_the_paged_runner(llama):
     t, d = llama
     with pytest.raises(ValueError, match="--enable-mixed-chunk"):

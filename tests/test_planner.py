@@ -313,7 +313,11 @@ def test_width_1_runs_no_draft_forward(llama, runner, monkeypatch):
 @pytest.mark.parametrize("runner", ["paged", "static"])
 def test_greedy_equals_target_while_widths_change(llama, runner):
     t, d = llama
-    eng = LLMEngine(t, d, EngineConfig(max_running_requests=3, num_draft_tokens=W, context_length=128, runner=runner))
+    # (planner auto: the static runner makes its width-1 graphs, which the random widths then use)
+    cfg = EngineConfig(
+        max_running_requests=3, num_draft_tokens=W, context_length=128, runner=runner, speculative_planner="auto"
+    )
+    eng = LLMEngine(t, d, cfg)
     eng.planner = RandomWidths(W, widths=eng.runner.widths if runner == "paged" else ())
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (int(torch.randint(3, 15, (), generator=g)),), generator=g) for _ in range(6)]

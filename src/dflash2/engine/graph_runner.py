@@ -313,25 +313,16 @@ class GraphModelRunner:
         # kind, B, greedy, kv_len, w, and the padded length of a prompt run with the step (0: none)
         self.graphs: dict[tuple[str, int, bool, int, int, int], tuple[Replay, dict]] = {}
         # Capture every bucket now, largest first so smaller ones reuse its memory (a capture inside a
-        # step would cost that step ~0.1 s); the idle slots the warm-up calls write into are
-        # overwritten by each request's prefill.
+        # step would cost that step ~0.1 s, and run the step's in-place updates in its warm-up); the
+        # idle slots the warm-up calls write into are overwritten by each request's prefill. Eager (off
+        # CUDA) the same table of functions, so that a step asking for a graph that was never made
+        # fails on the CPU too (:meth:`_graph`).
         # Greedy graphs first; a failed capture leaves that kind of step eager over the same buffers
         # (slower, still correct) rather than the engine down.
         self.graphed = {True: self.use_graph, False: self.use_graph}  # by "greedy batch"
         for greedy in (True, False):
-            if not self.use_graph:
-                break
             try:
-                for kv_len in reversed(self.kv_buckets):
-                    for B in reversed(self.buckets):
-                        for mix in (0, *self.mixed_lengths):
-                            for w in self.verify_widths:
-                                if not mix or self.mixes(B, w):
-                                    self._graph("verify", B, greedy, self._verify_kv(kv_len), w, mix)
-                            if self.plain_graphs and (not mix or self.mixes(B, 1)):
-                                self._graph("plain", B, greedy, self._verify_kv(kv_len), 1, mix)
-                        if draft is not None:
-                            self._graph("draft", B, greedy, kv_len)
+                self._make_graphs(greedy)
             except RuntimeError as e:
                 warnings.warn(
                     f"CUDA graph capture failed ({type(e).__name__}: {e}); "
@@ -339,6 +330,7 @@ class GraphModelRunner:
                 )
                 self.graphed[greedy] = False
                 self.graphs = {k: v for k, v in self.graphs.items() if k[2] != greedy}
+                self._make_graphs(greedy)
         self.prefill_graphed = self.use_graph
         try:  # (off CUDA: the same functions, called eagerly)
             for T in reversed(self.prefill_tokens):
@@ -362,9 +354,10 @@ class GraphModelRunner:
         end = max(r.num_committed for r in self.occupant) + self.w
         return idx, next(b for b in self.buckets if b >= n), next(k for k in self.kv_buckets if k >= end)
 
-    def bucket(self, n: int) -> int:
-        """The batch bucket a step of ``n`` requests replays (every occupied slot runs)."""
-        m = max(n, len(self.occupant))
+    def bucket(self, n: int, seating: bool = False) -> int:
+        """The batch bucket a step of ``n`` requests replays (every occupied slot runs; ``seating``:
+        and one more request takes a slot first)."""
+        m = max(n, len(self.occupant) + seating)
         return next(b for b in self.buckets if b >= m)
 
     @torch.no_grad()
@@ -439,12 +432,33 @@ class GraphModelRunner:
             self.owed[s], self.owed_host[s] = left, left
 
     # ---- the captured functions ---------------------------------------------------------------
-    def _graph(self, kind: str, B: int, greedy: bool, kv_len: int, width: int = 0, mix: int = 0) -> tuple[Replay, dict]:
+    def _make_graphs(self, greedy: bool) -> None:
+        """Every step graph of greedy (or sampled) batches: each bucket, attention prefix, width and
+        mixed prompt length that a step may ask for."""
+        for kv_len in reversed(self.kv_buckets):
+            for B in reversed(self.buckets):
+                for mix in (0, *self.mixed_lengths):
+                    for w in self.verify_widths:
+                        if not mix or self.mixes(B, w):
+                            self._graph("verify", B, greedy, self._verify_kv(kv_len), w, mix, make=True)
+                    if self.plain_graphs and (not mix or self.mixes(B, 1)):
+                        self._graph("plain", B, greedy, self._verify_kv(kv_len), 1, mix, make=True)
+                if self.draft is not None:
+                    self._graph("draft", B, greedy, kv_len, make=True)
+
+    def _graph(
+        self, kind: str, B: int, greedy: bool, kv_len: int, width: int = 0, mix: int = 0, make: bool = False
+    ) -> tuple[Replay, dict]:
         """The buckets' graph (captured at start-up on CUDA; eager functions otherwise). ``width``:
         the verify width (the draft always builds the full block); ``mix``: the padded length of the
-        new prompt run with the step (``pf[:, :mix]``, packed; 0: none)."""
+        new prompt run with the step (``pf[:, :mix]``, packed; 0: none). Only start-up makes one
+        (``make``): a graph captured inside a step ran that step's in-place updates in its warm-up,
+        and its outputs took memory of the pool that graphs replayed before they are read use too (an
+        8B step returned accepted counts past its width on the H200, thirty-sixth session)."""
         key = (kind, B, greedy, kv_len, width or self.w, mix)
         if key not in self.graphs:
+            if not make:
+                raise RuntimeError(f"no graph was made at start-up for the step {key}")
             out: dict = {}
             if kind in ("verify", "plain"):
                 fn = partial(self._verify_fn, B, greedy, kv_len, out, key[4], kind == "verify", mix)
@@ -766,12 +780,13 @@ class GraphModelRunner:
         # no request of the batch drafts: the target alone (the occupied slots outside the batch are
         # prefilling, and their own prefill writes their latents)
         kind = "plain" if w == 1 and self.plain_graphs and not any(r.speculate for r in reqs) else "verify"
-        # a prompt joins where its latents come out as it needs them (a plain step writes none)
+        # a prompt joins where its latents come out as it needs them (a plain step writes none), keyed
+        # on the bucket with its slot taken: seating it may move the step to the next bucket
         mix = 0
         if (
             prefill is not None
             and not (kind == "plain" and prefill[0].speculate)
-            and self.mixes(self.bucket(len(reqs)), w)
+            and self.mixes(self.bucket(len(reqs), seating=prefill[0].slot is None), w)
             and self.mixable(*prefill)
         ):
             mix = next(L for L in self.mixed_lengths if prefill[1] <= L)

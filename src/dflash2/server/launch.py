@@ -34,10 +34,8 @@ def add_serve_parser(sub) -> None:
         default=None,
         help="a new request's whole prompt (up to 512 tokens) runs inside a small decode step's forward, "
         "sharing its read of the weights (the static-slot runner with more than one running request; "
-        "default: off, a failure with the packed prefill on the H200 is open: docs/benchmarks.md, 35th session)",
-    )
-    p.add_argument(
-        "--disable-mixed-chunk", dest="enable_mixed_chunk", action="store_const", const=False, help="never mix"
+        "default: off: with the packed prefill it no longer pays on the H200, 8B shape, 8 and 32 requests: "
+        "docs/benchmarks.md, 36th session)",
     )
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--speculative-draft-kv-cache-dtype", default="auto")
