@@ -267,6 +267,33 @@ def test_pack_prefill_packs_chunks_into_the_smallest_totals():
     assert all(sum(lengths[i] for i in idx) <= PACKED_MAX_TOKENS for _, idx in plan[1:])
 
 
+def test_first_chunks_pack_beside_a_later_chunk(llama):
+    """A batch of chunks with the rest of a prompt cut by the chunked-prefill budget: the first chunks
+    still go through the packed functions (they once all fell back to the eager forward, the target
+    alone's usual case at 64 requests), the later chunk runs eagerly, and every last logits row equals
+    the unpacked runner's."""
+    t, d = llama
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (40, 30, 25)]
+    out = {}
+    for packed in (True, False):
+        runner = GraphModelRunner(t, d, 5, num_slots=3, max_len=130, cuda_graph=False, page_size=64, num_pages=6)
+        if not packed:
+            runner.prefill_tokens, runner.prefill_graphs = (), {}
+        replays: list[int] = []
+        inner = runner._replay_prefill
+        runner._replay_prefill = lambda chunks, T: replays.append(T) or inner(chunks, T)
+        reqs = [Request(x, SamplingParams()) for x in prompts]
+        for r in reqs:
+            runner.kv.grow(r, len(r.prompt_ids) + 5)
+        assert runner.prefill_batch([(reqs[0], 20)]) == [None]  # the first 20 of 40
+        out[packed] = runner.prefill_batch([(reqs[0], 20), (reqs[1], 30), (reqs[2], 25)])
+        assert replays == ([32, 64] if packed else [])  # the cut prompt's first chunk, then the two whole ones
+        assert [r.prefill_pos for r in reqs] == [40, 30, 25]
+    for a, b in zip(out[True], out[False]):
+        assert a is not None and b is not None and torch.allclose(a, b, atol=1e-4)
+
+
 def test_release_keeps_slots_contiguous(llama):
     t, d = llama
     runner = GraphModelRunner(t, d, 5, num_slots=4, max_len=64, cuda_graph=False)
@@ -657,6 +684,33 @@ def test_batched_prefill_equals_one_at_a_time(llama, monkeypatch):
             ids.append(int(t.model(torch.tensor([ids])).logits[0, -1].argmax()))
         assert r.output_ids == ids[p.numel() :]
         assert (r.prompt_logprobs != []) == (r.sampling.prompt_logprobs is not None)
+
+
+def test_prefill_budget_cuts_only_prompts_longer_than_it(llama, monkeypatch):
+    """--chunked-prefill-size 24: a prompt that one step's budget holds is never cut (it waits for
+    the next step when others spent part of the budget: a cut rest cannot pack), a longer one is cut
+    into chunks; no step's chunks pass the budget; greedy output is the target's."""
+    t, d = llama
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, VOCAB, (int(n),), generator=g) for n in (15, 20, 17, 40, 9, 11)]
+    eng = LLMEngine(t, d, EngineConfig(max_running_requests=4, num_draft_tokens=4, context_length=128,
+                                       max_total_tokens=4096, page_size=8, runner="static",
+                                       chunked_prefill_size=24, speculative_planner="off"))  # fmt: skip
+    seen: list[list[tuple[int, int, int]]] = []
+    real = eng._prefill_chunks
+    monkeypatch.setattr(
+        eng, "_prefill_chunks", lambda c: seen.append([(len(r.prompt_ids), r.prefill_pos, n) for r, n in c]) or real(c)
+    )
+    reqs = [Request(p.tolist(), SamplingParams(max_new_tokens=6)) for p in prompts]
+    for r in reqs:
+        eng.add_request(r)
+    eng.run_until_done()
+    assert all(sum(n for *_, n in call) <= 24 for call in seen)
+    assert all(n == length and pos == 0 for call in seen for length, pos, n in call if length <= 24), seen
+    long = [n for call in seen for length, _, n in call if length == 40]
+    assert len(long) > 1 and sum(long) == 40
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == hf_greedy(t, p, 6)
 
 
 def _block_inputs(t, d, B, W, seed):

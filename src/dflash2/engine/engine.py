@@ -82,9 +82,8 @@ class EngineConfig:
     # the H200) or auto: triton on CUDA in the static runner, sort elsewhere
     sampler_backend: str = "auto"
     # SGLang's flag: a new request's whole prompt runs inside a small decode step's forward, sharing its
-    # read of the weights (the static runner's paged pool: graph_runner.MIXED_PREFILL_LENGTHS). None: on
-    # where it was measured to pay, that pool replayed as CUDA graphs (8B shape, 8 requests: 2.28 ->
-    # 2.40x, docs/benchmarks.md, 32nd session); True: required (an error where it cannot apply)
+    # read of the weights (the static runner's paged pool: graph_runner.MIXED_PREFILL_LENGTHS). None:
+    # mixed_chunk_default (off since the packed prefill); True: required (an error where it cannot apply)
     enable_mixed_chunk: bool | None = None
 
     @classmethod
@@ -136,10 +135,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 def mixed_chunk_default(paged: bool, device: torch.device, disable_cuda_graph: bool) -> bool:
-    """``--enable-mixed-chunk`` unset: off. Why: with the packed prefill (35th session) a mixed step at
-    the 8B shape on the H200 returned an accepted count past the width at 32 requests (an IndexError in
-    the engine; not reproduced on the CPU, eager), while the unmixed engine gave 1.74x there. Until
-    that is found the flag is opt-in; the rule it had (graphs over a pool of pages) is kept here."""
+    """``--enable-mixed-chunk`` unset: off. Why: with the packed prefill it no longer pays. 8B shape
+    on the H200, one call: 8 requests 2.36x mixed against 2.42x unmixed, 32 requests 8,628 tok/s
+    either way, and the target alone at 32 fell from 4,896 to 3,223 tok/s mixed (one padded prompt a
+    step admits slower than a packed prefill). docs/benchmarks.md, thirty-sixth session."""
     return False
 
 
@@ -639,7 +638,10 @@ class LLMEngine:
     def _prefill_some(self, defer: bool = False) -> None:
         """Up to ``chunked_prefill_size`` prompt tokens, oldest admitted first; a request whose prompt
         is all in gets its first token (``defer``: computed on the device, read by
-        :meth:`_emit_first_tokens`)."""
+        :meth:`_emit_first_tokens`). A prompt that one step's budget holds is not cut where others
+        spent part of it: it waits for the next step. Why: the rest of a cut prompt reads the K/V
+        before it, so it cannot join the packed prefill graphs; at 64 requests of the 8B shape every
+        wave of admissions cut ~3 prompts, each rest an eager forward (thirty-sixth session)."""
         size = self.cfg.chunked_prefill_size or -1
         budget = size if size > 0 else None
         chunks: list[tuple[Request, int]] = []
@@ -650,6 +652,8 @@ class LLMEngine:
             if n <= 0:  # all in, with the step running now (--enable-mixed-chunk)
                 continue
             if budget is not None:
+                if chunks and budget < n <= size:
+                    break
                 n = min(n, budget)
                 budget -= n
             chunks.append((req, n))

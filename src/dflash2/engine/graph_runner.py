@@ -671,13 +671,12 @@ class GraphModelRunner:
         requests (docs/benchmarks.md, fourteenth session)."""
         alone = {i for i, (r, _) in enumerate(chunks) if r.sampling.prompt_logprobs is not None and not r.output_ids}
         if alone:
-            rest = (
-                self.prefill_batch([c for i, c in enumerate(chunks) if i not in alone])
-                if len(alone) < len(chunks)
-                else []
-            )
-            done = iter(rest)
-            return [self.prefill(*c) if i in alone else next(done) for i, c in enumerate(chunks)]
+            return self._apart(chunks, alone, lambda part: [self.prefill(*c) for c in part])
+        # a later chunk (the rest of a prompt cut by the chunked-prefill budget) reads the K/V before it,
+        # which the packed graphs do not: it goes apart, so that the first chunks beside it still pack
+        later = {i for i, (r, _) in enumerate(chunks) if r.prefill_pos}
+        if self.prefill_graphs and 0 < len(later) < len(chunks):
+            return self._apart(chunks, later, self.prefill_batch)
         cap = self.static.max_pages * self.page
         width = max(n for _, n in chunks)
         batchable = self.paged and len(chunks) > 1
@@ -715,6 +714,13 @@ class GraphModelRunner:
             page = torch.where(real, page, self.static.scratch)
             self.lat[:, page, off] = self.draft.context_rows(feats, pos).to(self.lat.dtype)
         return [self._prefilled(req, n, logits[b, 0]) for b, (req, n) in enumerate(chunks)]
+
+    def _apart(self, chunks: list[tuple[Request, int]], apart: set[int], run) -> list[torch.Tensor | None]:
+        """``run`` over the chunks at ``apart``, :meth:`prefill_batch` over the others; results in order."""
+        rest = [c for i, c in enumerate(chunks) if i not in apart]
+        mine = iter(run([c for i, c in enumerate(chunks) if i in apart]))
+        others = iter(self.prefill_batch(rest) if rest else [])
+        return [next(mine) if i in apart else next(others) for i in range(len(chunks))]
 
     def _load(self, reqs: list[Request], sampling: BatchSampling | None):
         """The anchor and position of each stale slot (a new request, or one moved), and every
