@@ -842,8 +842,12 @@ def stage_steps(args) -> None:
     n = 100 if dev == "cuda" else 2
     samplers = args.sampler_backends.split(",")
     kinds = args.steps_kinds.split(",")
+    slot_kinds = {"draft", "verify", "plain", "alone"} & set(kinds)  # (the slot-mode runners below)
     for attention, sampler in [
-        (a, sb) for a in (args.steps_attention.split(",") if dev == "cuda" else ("sdpa",)) for sb in samplers
+        (a, sb)
+        for a in (args.steps_attention.split(",") if dev == "cuda" else ("sdpa",))
+        for sb in samplers
+        if slot_kinds
     ]:
         for B in [int(b) for b in args.concurrency.split(",")]:
             runner = GraphModelRunner(target, draft, 5, B, 1088, cuda_graph=dev == "cuda", block_verification=True,
@@ -892,6 +896,8 @@ def stage_steps(args) -> None:
                 del plain
             if dev == "cuda":
                 torch.cuda.empty_cache()
+    if {"prefill", "mixed"} & set(kinds):
+        times.update(packed_replay_ms(target, draft, [int(b) for b in args.concurrency.split(",")], kinds, n))
     for k, v in times.items():
         log(f"  {k:<36} {v:.3f} ms")
     for k, rows in kernels.items():  # where each graph's time goes, by kernel (eager calls of its function)
@@ -902,6 +908,56 @@ def stage_steps(args) -> None:
     (OUT / f"steps_{args.steps_shape or 'smollm2'}.json").write_text(
         json.dumps({"env": info, "replay_ms": times, "kernels": kernels}, indent=1)
     )
+
+
+def packed_replay_ms(target, draft, concs: list[int], kinds: list[str], n: int) -> dict:
+    """What admitting prompts costs, replay by replay, on the paged runner the engine serves with:
+    ``prefill``: each packed prefill graph (``PREFILL_TOKENS``, with the draft's latents) against its
+    real-token count, so a replay's fixed cost and per-token cost can be fitted; ``mixed``: the
+    greedy width-5 verify graph of each batch with a packed prompt of each mixed length inside it
+    against the same graph without (``MIXED_MAX_STEP_TOKENS`` lifted for the capture), the draft
+    replay beside it. Why: DFlash2's 8B prefill at 64 requests is ~115 replays of ~470 tokens against
+    the target alone's ~65 of ~860, and whether mixing or fewer replays pays hangs on those two costs
+    (docs/benchmarks.md, thirty-sixth session)."""
+    import torch
+    from dflash2.engine import graph_runner
+    from dflash2.engine.graph_runner import GraphModelRunner
+
+    dev, out = target.device, {}
+    B = max(concs)
+    saved = graph_runner.MIXED_MAX_STEP_TOKENS
+    graph_runner.MIXED_MAX_STEP_TOKENS = 5 * B if "mixed" in kinds else saved
+    try:
+        runner = GraphModelRunner(target, draft, 5, B, 1088, cuda_graph=dev.type == "cuda", page_size=64,
+                                  num_pages=B * 17 + 1, mixed_chunk="mixed" in kinds)  # fmt: skip
+    finally:
+        graph_runner.MIXED_MAX_STEP_TOKENS = saved
+    # inputs: one prompt over every packed token (positions 0 .. T-1 in slot 0's table, pages of its own)
+    runner.tables[:B] = torch.arange(B * 17, dtype=torch.int32, device=dev).view(B, 17)
+    runner.pf_table.copy_(runner.tables[: runner.pf_table.shape[0]])
+    T_max = runner.pf.shape[1]
+    runner.pf[0] = torch.randint(100, 40000, (T_max,), device=dev)
+    runner.pf[1] = torch.arange(T_max, device=dev)
+    runner.pf[2] = 0
+    if "prefill" in kinds:
+        for T in runner.prefill_tokens:
+            runner.pf_last.fill_(T - 1)
+            out[f"prefill packed T{T} (latents)"] = round(replay_ms(runner.prefill_graphs[(T, True)][0], n), 3)
+    if "mixed" in kinds:
+        for b in (b for b in runner.buckets if b in concs):
+            runner.start[:b] = 300
+            draft_ms = replay_ms(runner._graph("draft", b, True, runner.kv_buckets[0])[0], n)
+            out[f"mixed B{b} draft w5"] = round(draft_ms, 3)
+            for mix in (0, *runner.mixed_lengths):
+                runner.pf_last.fill_(max(mix, 1) - 1)
+                key = ("verify", b, True, runner._verify_kv(runner.kv_buckets[0]), 5, mix)
+                if key in runner.graphs:
+                    out[f"mixed B{b} verify w5 + prompt {mix}"] = round(replay_ms(runner.graphs[key][0], n), 3)
+                    runner.start[:b] = 300
+    del runner
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
 
 
 def random_block_inputs(target, draft, B: int, g) -> tuple:
@@ -1932,7 +1988,10 @@ def main() -> None:
     )
     ap.add_argument("--steps-attention", default="sdpa,live", help="steps: the target's attention backends timed")
     ap.add_argument(
-        "--steps-kinds", default="draft,verify,plain,alone", help="steps: which graphs (alone: the target alone's)"
+        "--steps-kinds",
+        default="draft,verify,plain,alone",
+        help="steps: which graphs (alone: the target alone's; prefill: the packed prefill graphs by token "
+        "total; mixed: verify graphs with a packed prompt inside, by length)",
     )
     ap.add_argument("--sampler-backends", default="sort", help="steps: e.g. sort,triton (the sampled truncation)")
     ap.add_argument("--attn-shapes", default="smollm2,llama8b", help="attn: random targets of these shapes timed")
