@@ -56,6 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 STASH = Path.home() / "stash"
+INIT = STASH / "init"  # the recipe's start weights when a 'stash' call carried them (work/init)
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 T_START = time.time()
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -103,6 +104,17 @@ def stage_stash(args) -> None:
         if part.is_file():
             shutil.copy(part, STASH / part.name)
             log(f"stashed {part.name} ({part.stat().st_size} bytes)")
+    # the recipe's start weights (work/init/model.safetensors, the tracked copy moved aside so the GGUF
+    # halves fit later calls) and its prompt files travel in a call of their own
+    if (ROOT / "work" / "init" / "model.safetensors").is_file():
+        (STASH / "init").mkdir(exist_ok=True)
+        shipped = ROOT / "models" / "smollm2-135m-dflash2"
+        for f in (ROOT / "work" / "init" / "model.safetensors", shipped / "config.json", shipped / "token_map.pt"):
+            shutil.copy(f, STASH / "init" / f.name)
+        log("stashed the recipe's start weights in ~/stash/init")
+    if (ROOT / "work" / "recipe" / "train_prompts.jsonl.gz").is_file():
+        shutil.copytree(ROOT / "work" / "recipe", STASH / "recipe", dirs_exist_ok=True)
+        log("stashed the recipe's prompt files in ~/stash/recipe")
     env_report()
     if (STASH / "part1").is_file():
         log(f"target folder ready: {target_folder()}")
@@ -315,7 +327,7 @@ def _recipe_config(args, resume: bool, time_limit_s: float | None):
         data=str(STASH / "recipe" / "data.npz"),
         output_dir=str(STASH / "recipe" / "draft"),
         draft_config=str(ROOT / "configs" / "smollm2-135m-dflash2.json"),
-        init_from=str(ROOT / "models" / "smollm2-135m-dflash2"),
+        init_from=str(INIT if (INIT / "model.safetensors").is_file() else ROOT / "models" / "smollm2-135m-dflash2"),
         resume=resume or None,
         time_limit_s=time_limit_s,
         device=args.recipe_device,
@@ -364,11 +376,14 @@ def stage_recipe(args) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     if args.phase == "data":
         for f in ("train_prompts.jsonl.gz", "heldout_prompts.jsonl", "prompts_report.json"):
-            shutil.copy(ROOT / args.recipe_prompts / f, work / f)
+            if (ROOT / args.recipe_prompts / f).is_file():  # else a 'stash' call put them there
+                shutil.copy(ROOT / args.recipe_prompts / f, work / f)
         tc = _recipe_config(args, False, None)
         target = load_target(folder, "bfloat16", args.recipe_device)
         budget = args.gen_seconds or None
-        prep = tc.prepare | ({"generator": args.generator} if args.generator else {})  # to time hf against engine
+        prep = tc.prepare | {  # to time hf against engine, or a CPU dry run with a few requests
+            k: v for k, v in (("generator", args.generator), ("gen_batch", args.recipe_gen_batch)) if v
+        }
         report = prepare_data(DataRecipe.from_dict(prep), target, tc.data, tc.heldout_path(), budget)
         log(f"data: {report['sequences']} sequences, {report['tokens']} tokens, {report['generation_seconds']:.0f}s")
         shutil.copy(work / "data_report.json", OUT / "data_report.json")
@@ -403,7 +418,8 @@ def stage_recipe(args) -> None:
     save_draft(draft, OUT / "draft", max_shard_bytes=15 * 2**20, dtype=torch.bfloat16)
     shutil.copy(ROOT / "models" / "smollm2-135m-dflash2" / "token_map.pt", OUT / "draft" / "token_map.pt")
     log("exported bf16 draft (+ token map) to $OUT/draft")
-    args.heldout_path = str(ROOT / args.recipe_prompts / "heldout_prompts.jsonl")
+    held = ROOT / args.recipe_prompts / "heldout_prompts.jsonl"
+    args.heldout_path = str(held if held.is_file() else work / "heldout_prompts.jsonl")
     stage_bench(args, draft_dir=OUT / "draft")
     (OUT / "env.json").write_text(json.dumps(info, indent=1))
     with tarfile.open(OUT / "results.tar.gz", "w:gz") as tar:  # at most 8 files come back: one for the rest
@@ -1979,6 +1995,9 @@ def main() -> None:
     ap.add_argument("--gen-seconds", type=float, default=0, help="recipe: time budget of the answers (0: none)")
     ap.add_argument("--generator", default=None, help="recipe --phase data: hf or engine (default: the recipe's)")
     ap.add_argument("--recipe-device", default="cuda", help="recipe: cpu for a dry run")
+    ap.add_argument(
+        "--recipe-gen-batch", type=int, default=None, help="recipe: the answers' batch (default: the recipe's)"
+    )
     ap.add_argument("--recipe-prompts", default="work/recipe", help="recipe: folder of its prompt files")
     ap.add_argument("--phase", choices=["data", "train"], default="data", help="recipe: which call this is")
     ap.add_argument("--profile", action="store_true", help="steps: each graph's kernels by torch.profiler")
