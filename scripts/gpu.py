@@ -23,6 +23,9 @@
   python scripts/gpu.py layers --concurrency 1,8,32,64
                                     # no carry, no stash: the fused layer kernels against their references
                                     #   (bf16, fp32), fused StaticTarget against HF, forward ms unfused / fused
+  python scripts/gpu.py stash       # carry work/init (the start weights, moved out of models/) and work/recipe
+                                    #   (prompt files) -> ~/stash, then the two GGUF stash calls; the data call
+                                    #   then needs no weights of its own and trains after its data
   python scripts/gpu.py recipe --phase data    # carry work/recipe (prompt files): the committed recipe's
   python scripts/gpu.py recipe --phase train --train-seconds S --configs w5_greedy,w5_block_t1
                                     #   data, then training, acceptance on GSM8K + held-out domains
