@@ -298,3 +298,25 @@ def test_bench_speed_uses_the_loaded_width_and_verifier():
         speed_configs(parse("--verifiers", "greedy"), 5)
     with pytest.raises(SystemExit, match="--enable-mixed-chunk needs --concurrency"):  # before any model loads
         cmd_speed(parse("--enable-mixed-chunk"))
+
+
+@pytest.mark.parametrize("temperature", ["0", "1"])
+def test_acceptance_bench_in_process(tmp_path, models, temperature):
+    """Without --base-url the suites run through one in-process engine (one slot: the static runner) that
+    makes only the step graphs of its one kind of request (greedy or sampled): every request finishes."""
+    from test_server import REPO
+
+    root = models[0]
+    data = tmp_path / "g.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"What is {i} + {i}?", "answer": "x"}) for i in range(4)))
+    out = tmp_path / "res.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "dflash2.cli", "bench", "acceptance", "--model-path", str(root / "target"),
+         "--speculative-draft-model-path", str(root / "draft"), "--dtype", "float32", "--device", "cpu",
+         "--gsm8k-path", str(data), "--max-tokens", "12", "--temperature", temperature, "--top-p", "0.95",
+         "--max-running-requests", "1", "--num-workers", "2", "--output", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())["gsm8k"]
+    assert res["samples"] == 4 and res["failed"] == 0 and all(v > 0 for v in res["V"])

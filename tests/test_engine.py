@@ -10,7 +10,7 @@ import torch
 from targets import VOCAB, build
 from test_speculative import hf_greedy, random_draft
 from dflash2.engine import graph_runner
-from dflash2.engine.engine import EngineConfig, LLMEngine
+from dflash2.engine.engine import EngineConfig, LLMEngine, RequestError
 from dflash2.engine.graph_runner import PACKED_MAX_TOKENS, GraphModelRunner, pack_prefill
 from dflash2.engine.model_runner import ModelRunner, PagedLayer
 from dflash2.engine.planner import PlannerConfig
@@ -40,6 +40,7 @@ def _run(
     attention_backend="auto",
     sampler_backend="sort",
     mixed_chunk=False,
+    graph_sampling="both",
 ):
     """``sampled``: True (every request at T=1 / top-p 0.9), False, or "mixed" (every other one)."""
     eng = LLMEngine(
@@ -58,6 +59,7 @@ def _run(
             attention_backend=attention_backend,
             sampler_backend=sampler_backend,
             enable_mixed_chunk=mixed_chunk,
+            graph_sampling=graph_sampling,
         ),
     )
     hot = [sampled is True or (sampled == "mixed" and i % 2 == 1) for i in range(len(prompts))]
@@ -119,6 +121,26 @@ def test_static_runner_sampled_equals_paged(llama, block):
     _, static = _run(t, d, prompts, "static", block=block, sampled=True)
     assert [r.output_ids for r in static] == [r.output_ids for r in paged]
     assert [r.accept_hist for r in static] == [r.accept_hist for r in paged]
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_graph_sampling_makes_one_kind_of_step_graph(llama, kind):
+    """A run of one kind of request (bench acceptance) makes only that kind's step graphs, gives the
+    tokens the engine with both gives, and refuses a request of the other kind by name."""
+    t, d = llama
+    prompts, sampled = _prompts(5, seed=13), kind == "sampled"
+    _, both = _run(t, d, prompts, "static", block=True, sampled=sampled)
+    eng, one = _run(t, d, prompts, "static", block=True, sampled=sampled, graph_sampling=kind)
+    assert [r.output_ids for r in one] == [r.output_ids for r in both]
+    assert [r.accept_hist for r in one] == [r.accept_hist for r in both]
+    assert eng.runner.graphs and {key[2] for key in eng.runner.graphs} == {kind == "greedy"}
+    other = SamplingParams(temperature=0.0 if sampled else 1.0, max_new_tokens=4)
+    with pytest.raises(RequestError, match=f"runs {kind} requests only"):
+        eng.add_request(Request(prompts[0].tolist(), other))
+    with pytest.raises(ValueError, match="graph_sampling must be"):
+        EngineConfig(graph_sampling="greedy_only")
+    with pytest.raises(ValueError, match="needs the planner off"):
+        EngineConfig(graph_sampling=kind, speculative_planner="auto")
 
 
 @pytest.mark.parametrize("width", [1, 5])

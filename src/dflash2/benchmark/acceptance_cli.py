@@ -112,6 +112,7 @@ class EngineBackend:
                 attention_backend=args.attention_backend,
                 sampler_backend=args.sampler_backend,
                 speculative_planner="off",  # acceptance at the loaded width: a width-1 step would count as AL 1
+                graph_sampling="greedy" if args.temperature == 0 else "sampled",  # one kind: half the captures
             ),
         )
         self.engine.start()

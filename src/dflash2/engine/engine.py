@@ -53,6 +53,10 @@ class RequestError(ValueError):
         self.param, self.code = param, code
 
 
+# EngineConfig.graph_sampling -> the static runner's batch kinds (greedy batch or not) made at start-up
+GRAPH_SAMPLING = {"both": (True, False), "greedy": (True,), "sampled": (False,)}
+
+
 @dataclass
 class EngineConfig:
     max_running_requests: int = 16
@@ -85,6 +89,10 @@ class EngineConfig:
     # read of the weights (the static runner's paged pool: graph_runner.MIXED_PREFILL_LENGTHS). None:
     # mixed_chunk_default (off since the packed prefill); True: required (an error where it cannot apply)
     enable_mixed_chunk: bool | None = None
+    # the static runner's step graphs made at start-up: "both" (serving), or "greedy" / "sampled" alone for
+    # a run whose requests are all one kind (bench acceptance: half the captures); a request of the other
+    # kind is refused. Needs the planner off (its start-up profile replays greedy graphs)
+    graph_sampling: str = "both"
 
     @classmethod
     def for_models(cls, target, draft, width: int, context_length: int | None = None, **fields) -> "EngineConfig":
@@ -125,6 +133,12 @@ class EngineConfig:
                 f"--synthetic-acceptance: one rate in [0, 1], or one per draft position "
                 f"({self.num_draft_tokens - 1}), got {rates}"
             )
+        if self.graph_sampling not in GRAPH_SAMPLING:
+            raise ValueError(f"graph_sampling must be one of {', '.join(GRAPH_SAMPLING)}, got {self.graph_sampling!r}")
+        if self.graph_sampling != "both" and (
+            self.speculative_planner != "off" or self.speculative_width_schedule is not None
+        ):
+            raise ValueError(f"graph_sampling {self.graph_sampling!r} needs the planner off and no width schedule")
         PlannerConfig(mode=self.speculative_planner)  # checks the name
         parse_schedule(self.speculative_width_schedule, self.num_draft_tokens)
 
@@ -293,6 +307,7 @@ class LLMEngine:
                 sampler=cfg.sampler_backend,
                 compile_draft=not cfg.disable_torch_compile,
                 mixed_chunk=mixed,
+                batch_kinds=GRAPH_SAMPLING[cfg.graph_sampling],
             )
         pool = BlockManager(cfg.max_total_tokens // cfg.page_size, cfg.page_size)
         return ModelRunner(target, self.draft, pool, self.width, cfg.block_verification, cfg.synthetic_acceptance)
@@ -318,6 +333,12 @@ class LLMEngine:
                 f"positions; the KV pool holds {kv.capacity}",
                 "max_tokens",
                 "context_length_exceeded",
+            )
+        if self.cfg.graph_sampling != "both" and req.sampling.greedy != (self.cfg.graph_sampling == "greedy"):
+            raise RequestError(
+                f"this engine runs {self.cfg.graph_sampling} requests only (graph_sampling); "
+                f"got temperature {req.sampling.temperature}",
+                "temperature",
             )
         if self.tp is not None and req.sampling.seed is None:  # every rank draws the same uniforms
             req.sampling = dataclasses.replace(req.sampling, seed=draw_seed())

@@ -194,6 +194,7 @@ class GraphModelRunner:
         compile_draft: bool = True,
         mixed_chunk: bool = False,
         prefill_graphs: bool | None = None,
+        batch_kinds: tuple[bool, ...] = (True, False),
     ):
         """``page_size`` / ``num_pages``: KV (target and draft) in a pool of pages that requests
         take as they grow (the scheduler's :class:`BlockManager`), read through per-slot block tables
@@ -202,7 +203,9 @@ class GraphModelRunner:
         are captured (:meth:`DFlash2DraftModel.compile_layers`). ``mixed_chunk``: a new request's prompt
         may run inside a step's forward (:data:`MIXED_PREFILL_LENGTHS`; paged pools only).
         ``prefill_graphs``: first prompt chunks packed through the functions of :data:`PREFILL_TOKENS`
-        (default: with a paged pool, or one slot where graphs are captured)."""
+        (default: with a paged pool, or one slot where graphs are captured). ``batch_kinds``: the step
+        graphs made at start-up, greedy batches (True) and / or sampled ones (False); a run whose
+        requests are all of one kind (``bench acceptance``) captures half as many."""
         self.target, self.draft, self.w, self.max_len = target, draft, width, max_len
         # the widths a step may verify (the planner's choices): the full one, and 1 = the target alone
         self.verify_widths = tuple(sorted(set(verify_widths) | {width}))
@@ -320,7 +323,7 @@ class GraphModelRunner:
         # Greedy graphs first; a failed capture leaves that kind of step eager over the same buffers
         # (slower, still correct) rather than the engine down.
         self.graphed = {True: self.use_graph, False: self.use_graph}  # by "greedy batch"
-        for greedy in (True, False):
+        for greedy in batch_kinds:
             try:
                 self._make_graphs(greedy)
             except RuntimeError as e:

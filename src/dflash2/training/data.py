@@ -176,6 +176,7 @@ def engine_responses(
             context_length=longest + max_new_tokens + 1,
             max_running_requests=max_running,
             max_total_tokens=max_running * (longest + max_new_tokens + 2),
+            graph_sampling="greedy" if temperature == 0 else "sampled",  # one temperature a pass
         ),
     )
     pending, started = list(reversed(keep)), []
