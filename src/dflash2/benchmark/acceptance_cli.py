@@ -92,12 +92,16 @@ class ServerBackend:
 class EngineBackend:
     """All requests go into one in-process engine (continuous batching), like a server would."""
 
-    def __init__(self, args):
+    def __init__(self, args, items: dict[str, list]):
         from ..entry import load_models
         from ..engine.engine import EngineConfig, LLMEngine
+        from ..training.data import render
 
         target, draft, width = load_models(args)
         self.tok = target.tokenizer
+        # the context these prompts need, so that no attention prefix past it is captured at start-up
+        longest = max((len(render(self.tok, it.prompt)) for lst in items.values() for it in lst), default=1)
+        ctx = int(getattr(target.config, "max_position_embeddings", 2048))
         self.engine = LLMEngine(
             target,
             draft,
@@ -105,6 +109,7 @@ class EngineBackend:
                 target,
                 draft,
                 width,
+                context_length=min(ctx, longest + args.max_tokens + width + 1),
                 max_running_requests=args.max_running_requests,
                 block_verification=args.speculative_use_block_verification,
                 disable_cuda_graph=args.disable_cuda_graph,
@@ -240,7 +245,7 @@ def cmd_acceptance(args) -> int:
         tok = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path or default_target_path())
         backend = ServerBackend(args.base_url, tok, args)
     else:
-        backend = EngineBackend(args)
+        backend = EngineBackend(args, items)
     t0 = time.time()
     results = run_suites(backend, items, args.num_workers)
     print(format_table(results) + f"\n({time.time() - t0:.0f}s)")
