@@ -503,7 +503,9 @@ class LLMEngine:
         ids = torch.randint(0, self.vocab_size, (prompt_tokens,), generator=g).tolist()
         sps = [SamplingParams(max_new_tokens=new_tokens, temperature=0.0, seed=0)]
         sps.append(SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_p=0.95, seed=1))
-        self.generate([ids] * n, sps[:n])
+        kind = self.cfg.graph_sampling
+        sps = [sp for sp in sps if kind == "both" or sp.greedy == (kind == "greedy")][:n]  # what it may run
+        self.generate([ids] * len(sps), sps)
         p = self.planner  # what it was given at start-up (the profile, the widths), nothing it learnt
         self.planner = Planner(p.width, p.cfg, profile=p.profile, widths=p.widths)
         self.stats = self._new_stats()
