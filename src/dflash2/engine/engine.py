@@ -94,6 +94,10 @@ class EngineConfig:
     # kind is refused. Needs the planner off (its start-up profile replays greedy graphs)
     graph_sampling: str = "both"
 
+    def admits(self, sampling: SamplingParams) -> bool:
+        """Whether a request of this kind (greedy or sampled) has step graphs here (``graph_sampling``)."""
+        return self.graph_sampling == "both" or sampling.greedy == (self.graph_sampling == "greedy")
+
     @classmethod
     def for_models(cls, target, draft, width: int, context_length: int | None = None, **fields) -> "EngineConfig":
         """The one place an engine's config is derived from loaded models: speculative when there is a
@@ -334,7 +338,7 @@ class LLMEngine:
                 "max_tokens",
                 "context_length_exceeded",
             )
-        if self.cfg.graph_sampling != "both" and req.sampling.greedy != (self.cfg.graph_sampling == "greedy"):
+        if not self.cfg.admits(req.sampling):
             raise RequestError(
                 f"this engine runs {self.cfg.graph_sampling} requests only (graph_sampling); "
                 f"got temperature {req.sampling.temperature}",
@@ -503,8 +507,7 @@ class LLMEngine:
         ids = torch.randint(0, self.vocab_size, (prompt_tokens,), generator=g).tolist()
         sps = [SamplingParams(max_new_tokens=new_tokens, temperature=0.0, seed=0)]
         sps.append(SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_p=0.95, seed=1))
-        kind = self.cfg.graph_sampling
-        sps = [sp for sp in sps if kind == "both" or sp.greedy == (kind == "greedy")][:n]  # what it may run
+        sps = [sp for sp in sps if self.cfg.admits(sp)][:n]
         self.generate([ids] * len(sps), sps)
         p = self.planner  # what it was given at start-up (the profile, the widths), nothing it learnt
         self.planner = Planner(p.width, p.cfg, profile=p.profile, widths=p.widths)
