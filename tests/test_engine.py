@@ -386,9 +386,9 @@ def test_warm_up_drafts_then_starts_fresh(llama):
     widths = []
     step = eng.runner.step
 
-    def counted(reqs, sampling, width=None, overlap=None, prefill=None):
+    def counted(reqs, sampling, width=None, overlap=None, prefill=None, trim=None):
         widths.append(width)
-        return step(reqs, sampling, width, overlap=overlap, prefill=prefill)
+        return step(reqs, sampling, width, overlap=overlap, prefill=prefill, trim=trim)
 
     eng.runner.step = counted  # type: ignore[method-assign]
     eng.warm_up()
@@ -642,7 +642,7 @@ def test_step_costs_leave_out_the_prefill_inside_the_step(llama, runner, monkeyp
     real_observe, real_step = eng.planner.observe, eng.runner.step
     monkeypatch.setattr(eng, "_prefill_chunks", chunks)
     monkeypatch.setattr(
-        eng.planner, "observe", lambda rids, acc, w, b, sec, defer=False: seen.append(sec) or real_observe(rids, acc, w, b, sec, defer)
+        eng.planner, "observe", lambda rids, acc, w, b, sec, **k: seen.append(sec) or real_observe(rids, acc, w, b, sec, **k)
     )  # fmt: skip
     monkeypatch.setattr(eng.runner, "step", lambda *a, **k: outs.append(real_step(*a, **k)) or outs[-1])
     prompts = _prompts(3, seed=5)

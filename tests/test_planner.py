@@ -905,3 +905,134 @@ def test_a_cost_measured_long_ago_falls_back_to_the_profile():
     assert p.cost(8, 0) == pytest.approx(0.011)
     with pytest.raises(ValueError, match="stale_after"):
         PlannerConfig(stale_after=0)
+
+
+# ---- the verify width cut after the draft, from its confidence (Planner.trim) ----------------------
+def test_confidence_calibration_recovers_a_logistic_acceptance():
+    """Counts drawn from a known ``P(accept | confidence)`` per position: the fit finds its bias and
+    slope, and says nothing before ``min_reached`` first drafts were seen."""
+    from dflash2.engine.planner import ConfidenceCalibration
+
+    rng = np.random.default_rng(0)
+    cal = ConfidenceCalibration(3, decay=1.0)
+    true = np.array([[0.5, 1.0], [-0.5, 0.8], [0.0, 0.5]])  # (bias, slope) on logit(confidence)
+    for step in range(400):
+        conf = rng.uniform(0.02, 0.999, size=(8, 3))
+        z = true[None, :, 0] + true[None, :, 1] * np.log(conf / (1 - conf))
+        ok = rng.uniform(size=(8, 3)) < 1 / (1 + np.exp(-z))
+        n = np.argmin(np.concatenate([ok, np.zeros((8, 1), bool)], 1), axis=1)  # the first rejection
+        cal.observe(conf, list(n), 3)
+        if step == 0:
+            assert not cal.fitted  # 8 first drafts: the cold start verifies what it drafts
+    assert cal.fitted
+    assert np.allclose(cal.coef[:2], true[:2], atol=0.25), cal.coef
+    hi, lo = cal.rates(np.array([[0.99, 0.99, 0.99], [0.1, 0.1, 0.1]]))
+    assert (hi > lo + 0.3).all()
+
+
+def _trimming_planner(per_token_ms: float) -> Planner:
+    """A fitted calibration where acceptance follows confidence steeply, and step costs of a fixed part
+    plus ``per_token_ms`` a token (the eager runner's shape: every width runs)."""
+    p = Planner(W, PlannerConfig(mode="auto"))
+    p.widths = tuple(range(1, W + 1))
+    for w in (1, 2, W):
+        p.costs[(4, w)] = (10.0 + per_token_ms * 4 * w) / 1e3
+    p.calibration.coef[:] = [0.0, 1.5]
+    p.calibration.fitted = True
+    return p
+
+
+def test_trim_verifies_what_the_confidence_pays_for():
+    confident, doubtful = np.full((4, W - 1), 0.99), np.full((4, W - 1), 0.1)
+    p = _trimming_planner(per_token_ms=2.0)
+    assert p.trims and p.trim(4, W, confident) == W
+    assert p.trim(4, W, doubtful) == 2  # (after the draft: 2 at the least, its cost is spent)
+    mixed = np.concatenate([np.full((4, 2), 0.99), np.full((4, W - 3), 0.05)], 1)
+    assert p.trim(4, W, mixed) == 3  # the confident drafts, not the doubtful ones after them
+    even = np.full((4, W - 1), 0.5)  # each draft accepted half the time
+    assert p.trim(4, W, even) == 2
+    p.calibration.fitted = False  # cold start: what was drafted is verified
+    assert p.trim(4, W, doubtful) == W
+    cheap = _trimming_planner(per_token_ms=0.01)  # a verified token costs ~nothing: keep every draft
+    assert cheap.trim(4, W, even) == W
+    assert not Planner(W, PlannerConfig(mode="auto", trim=False)).trims
+
+
+class FullThenTrim(Planner):
+    """The full width every step, then :meth:`Planner.trim` with a fixed, steep calibration over step
+    costs that make the cut follow the draft's confidence: widths 2 .. full within one run."""
+
+    def choose(self, rids, bucket):
+        return self.width
+
+    def speculate_new(self, n_running, bucket):
+        return True
+
+    def retire(self, bucket):
+        return False
+
+    def cost(self, bucket, width):
+        return 1.0 + 0.6 * width
+
+    def fold(self):  # the calibration stays as set (no refit): the cut is the test's
+        self._pending = None
+
+
+def _trim_engine(t, d, width, coef, **cfg) -> LLMEngine:
+    """``coef``: the calibration's (bias, slope), set where the drafter's confidence spans the cut."""
+    eng = LLMEngine(t, d, EngineConfig(num_draft_tokens=width, speculative_planner="auto", **cfg))
+    p = FullThenTrim(width, PlannerConfig(mode="auto"))
+    p.widths = eng.runner.widths
+    p.calibration.coef[:] = coef
+    p.calibration.fitted = True
+    eng.planner = p
+    return eng
+
+
+def test_greedy_equals_target_while_the_confidence_trims(llama):
+    t, d = llama
+    # (this random drafter's confidence: logit -3.2 .. -2.3)
+    eng = _trim_engine(t, d, W, (13.0, 4.0), max_running_requests=3, context_length=128, runner="paged")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB, (int(torch.randint(3, 15, (), generator=g)),), generator=g) for _ in range(5)]
+    reqs = [Request(p.tolist(), SamplingParams(max_new_tokens=30)) for p in prompts]
+    for r in reqs:
+        eng.add_request(r)
+    eng.run_until_done()
+    assert eng.stats.steps_trimmed > 0 and len(set(eng.stats.steps_by_width)) >= 2, eng.stats.steps_by_width
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == hf_greedy(t, p, 30)
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_sampled_distribution_exact_while_the_confidence_trims(method):
+    """The first three sampled tokens follow the target's exact joint distribution while each step's
+    verify width is cut after the draft from the draft's confidence (block verification included)."""
+    V = 8
+    model = sharp_v8_llama(3)
+    t, d = TargetModel(model, layer_ids=[0]), v8_draft(std=0.3)
+    prompt = [1, 2, 3]
+    joint = exact_joint(model, prompt, 3)
+    eng = _trim_engine(
+        t,
+        d,
+        4,
+        (1.5, 2.0),  # (its confidence: logit -0.8 .. 2.1)
+        max_running_requests=64,
+        context_length=64,
+        block_verification=method == "block",
+        max_total_tokens=64 * 16,
+        page_size=8,
+    )
+    n = 4000
+    reqs = [
+        Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=s, ignore_eos=True)) for s in range(n)
+    ]
+    for r in reqs:
+        eng.add_request(r)
+    eng.run_until_done()
+    assert all(r.finish_reason == "length" for r in reqs), {r.error for r in reqs}
+    widths = eng.stats.steps_by_width
+    assert eng.stats.steps_trimmed > 0 and len([w for w in widths if w > 1]) >= 2, widths
+    triples = torch.tensor([(r.output_ids[0] * V + r.output_ids[1]) * V + r.output_ids[2] for r in reqs])
+    assert _chi2_ok(triples, joint)

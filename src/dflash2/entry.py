@@ -73,6 +73,13 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
         "seeded sampled request repeats token for token under any load",
     )
     ap.add_argument(
+        "--disable-speculative-trim",
+        action="store_true",
+        help="with --speculative-planner auto on the paged runner: verify every drafted token (by default "
+        "a step verifies only the drafts that the draft's own confidence, calibrated by what was "
+        "accepted, pays for; lossless either way; docs/benchmarks.md, thirty-eighth session)",
+    )
+    ap.add_argument(
         "--speculative-width-schedule",
         default=None,
         help="pin widths by decode batch size, e.g. 16:5,64:1 (up to 16 running: width 5; up to 64: 1; "

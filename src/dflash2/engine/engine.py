@@ -18,6 +18,7 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -75,6 +76,7 @@ class EngineConfig:
     stall_s: float = 120.0  # /health fails when the loop has work but has not come round for this long
     speculative_planner: str = "off"  # auto: each step's width by expected tokens/s (among the runner's widths); off
     speculative_width_schedule: str | None = None  # "BATCH:WIDTH,...": pinned widths by decode batch size
+    speculative_trim: bool = True  # auto, eager runner: the verify width cut after the draft (Planner.trim)
     # SGLang's flag: the static runner's target attention. triton: the live-KV kernel (reads each row's
     # live keys only); torch_native: masked SDPA over a buffer prefix; auto: triton on CUDA
     attention_backend: str = "auto"
@@ -192,7 +194,8 @@ class EngineStats:
     plan_s: float = 0.0  # of host_s: the planner's calls (retirement, the width, the observation)
     overlap_s: float = 0.0  # what the work run inside steps (prefills) added to their wall (OverlapClock)
     prefill_s: float = 0.0  # prefill chunks, first tokens included
-    steps_by_width: dict[int, int] = field(default_factory=dict)  # the planner's choices
+    steps_by_width: dict[int, int] = field(default_factory=dict)  # the widths verified
+    steps_trimmed: int = 0  # drafting steps verified narrower than drafted (Planner.trim)
     # "bucket x width" -> [steps, seconds] (width 0: the target alone, no drafter upkeep); what the
     # planner's step costs are checked against
     step_s_by_shape: dict[str, list] = field(default_factory=dict)
@@ -216,7 +219,9 @@ class LLMEngine:
         self.planner = Planner(
             self.width,
             PlannerConfig(
-                mode=cfg.speculative_planner, schedule=parse_schedule(cfg.speculative_width_schedule, self.width)
+                mode=cfg.speculative_planner,
+                schedule=parse_schedule(cfg.speculative_width_schedule, self.width),
+                trim=cfg.speculative_trim,
             ),
         )
         self.runner: Runner = self._make_runner()
@@ -610,8 +615,9 @@ class LLMEngine:
             self._prefill_some(defer=True)
 
         mix = self._mixed_chunk()
+        trim = partial(self.planner.trim, bucket, width) if drafting and width > 2 and self.planner.trims else None
         try:
-            out = self.runner.step(reqs, sampling, width, overlap=overlap, prefill=mix)
+            out = self.runner.step(reqs, sampling, width, overlap=overlap, prefill=mix, trim=trim)
         except Exception as e:  # a failing batch fails its requests, not the server
             log.exception("speculative step failed")
             with self.lock:
@@ -620,6 +626,9 @@ class LLMEngine:
                     self._finish(r, "error", f"{type(e).__name__}: {e}")
             return
         t_back = time.perf_counter()
+        if out.width is not None and out.width < width:  # the draft's confidence cut the step
+            self.stats.steps_trimmed += 1
+            width = out.width
         if mix is not None and out.prefilled is not None:  # the prompt went in with the step
             self.stats.prompts_mixed += 1
             self._take_prefilled([mix], [out.prefilled])
@@ -653,8 +662,16 @@ class LLMEngine:
         t_obs = time.perf_counter()
         cost = None if out.prefilled is not None else seconds  # (a prompt's share is not the width's)
         if drafting or self.draft is None:  # counts folded while the next step runs; finished ones are gone
-            live = [(r.request_id, n) for r, n in zip(reqs, out.num_accepted) if not r.finished]
-            self.planner.observe([i for i, _ in live], [n for _, n in live], width, bucket, cost, defer=True)
+            live = [b for b, r in enumerate(reqs) if not r.finished]
+            self.planner.observe(
+                [reqs[b].request_id for b in live],
+                [out.num_accepted[b] for b in live],
+                width,
+                bucket,
+                cost,
+                defer=True,
+                confidence=None if out.confidence is None else out.confidence[live],
+            )
         elif plain:
             self.planner.observe_plain(bucket, cost)
         t_end = time.perf_counter()

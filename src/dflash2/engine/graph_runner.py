@@ -776,6 +776,7 @@ class GraphModelRunner:
         width: int | None = None,
         overlap=None,
         prefill: tuple[Request, int] | None = None,
+        trim=None,
     ) -> StepOutput:
         """Two replays: the draft block + selector walk writes the drafts beside the anchors in the
         slots' id buffer (and q_draft into its slot buffer); the verify graph runs the target over
@@ -783,7 +784,8 @@ class GraphModelRunner:
         and position on. One read-back; a commit only counts. ``width`` 1: the target alone this
         step (the verify graph over the anchors only, no draft replay). ``prefill``: a new request's
         whole prompt (:meth:`mixable`), run in the verify forward where it can be; ``prefilled`` then
-        holds its last logits row."""
+        holds its last logits row. ``trim``: not applied (the verify graph's width is the draft's;
+        a cut would read the confidence back between the replays)."""
         t0 = time.perf_counter()
         w = width or self.w
         # no request of the batch drafts: the target alone (the occupied slots outside the batch are

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import time
 
+import numpy as np
 import torch
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -167,15 +168,21 @@ class ModelRunner:
         width: int | None = None,
         overlap=None,
         prefill: tuple[Request, int] | None = None,
+        trim=None,
     ) -> StepOutput:
         """Draft ``w - 1`` tokens per request, verify ``[anchor, drafts]`` in one target forward, keep
         what the verifier accepted (its K/V into the pool, its features into the draft context).
         ``width`` 1: the target alone this step (no draft forward). ``prefill``: ignored (prompts run in
-        their own forwards here; --enable-mixed-chunk is the static runner's)."""
+        their own forwards here; --enable-mixed-chunk is the static runner's). ``trim``: the draft's
+        confidence per slot -> the width to verify (the drafts after it are dropped unverified)."""
         t0 = time.perf_counter()
         anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=self.target.device)
-        if (width or self.w) > 1:
-            drafts, q_draft = self.propose(reqs, anchors, sampling, width or self.w)
+        w, conf = width or self.w, None
+        if w > 1:
+            drafts, q_draft, conf = self.propose(reqs, anchors, sampling, w, confidence=trim is not None)
+            if conf is not None and trim is not None and (w := trim(conf)) < drafts.shape[1] + 1:
+                drafts, q_draft = drafts[:, : w - 1], None if q_draft is None else q_draft[:, : w - 1]
+                sampling = None if sampling is None else sampling.trimmed(w - 1)
         else:
             drafts, q_draft = anchors[:, None][:, :0], None
             if sampling is not None:
@@ -193,6 +200,8 @@ class ModelRunner:
         self.clock.run(overlap)  # (eager: nothing runs meanwhile; called where the graph runner calls it)
         out = steps.finish_step(steps.result_rows(res), t0, t1, self.clock)
         out.logits = logits if steps.wants_logprobs(reqs) else None
+        if conf is not None:
+            out.width, out.confidence = w, conf
         self._commit(reqs, kv, feats, [len(t) for t in out.tokens])
         return out
 
@@ -262,10 +271,18 @@ class ModelRunner:
         """The verify widths a step can run: any up to the full one (eager forwards of any length)."""
         return tuple(range(1, self.w + 1))
 
-    def propose(self, reqs: list[Request], anchors: torch.Tensor, sampling: BatchSampling | None, width: int):
-        """Draft tokens ``[B, width-1]`` and ``q_draft`` (None for a greedy batch): a draft block of
-        ``width`` positions (a shorter block than the drafter's is still a valid proposal; with
-        ``is_causal`` its slots are exactly the longer block's first ones)."""
+    def propose(
+        self,
+        reqs: list[Request],
+        anchors: torch.Tensor,
+        sampling: BatchSampling | None,
+        width: int,
+        confidence: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray | None]:
+        """Draft tokens ``[B, width-1]``, ``q_draft`` (None for a greedy batch) and, with ``confidence``,
+        each slot's (``scored_candidates``, read to the host): a draft block of ``width`` positions (a
+        shorter block than the drafter's is still a valid proposal; with ``is_causal`` its slots are
+        exactly the longer block's first ones)."""
         pos = torch.tensor([r.num_committed for r in reqs], device=anchors.device)
         out = draft_block(
             self.draft,
@@ -276,7 +293,12 @@ class ModelRunner:
             self.target.embed,
             self.target.lm_head_weight,
         )
-        return steps.propose(self.draft, out.hidden, anchors, self.target.lm_head_weight, sampling)
+        head = self.target.lm_head_weight
+        if not confidence:
+            return (*steps.propose(self.draft, out.hidden, anchors, head, sampling), None)
+        vals, ids, conf = self.draft.scored_candidates(out.hidden, head)
+        drafts, q_draft = steps.propose(self.draft, out.hidden, anchors, head, sampling, candidates=(vals, ids))
+        return drafts, q_draft, conf.float().cpu().numpy()
 
     def bucket(self, n: int) -> int:
         """The batch size a step of ``n`` requests is costed under: ``n`` (eager steps cost what their rows do)."""

@@ -8,11 +8,12 @@ per-request parameters and uniforms as ``[B]`` / ``[B, n]`` tensors (:class:`Bat
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, replace
+from typing import Callable, Protocol
 
 from functools import partial
 
+import numpy as np
 import torch
 
 from ..model.context_cache import greedy_walk
@@ -205,6 +206,12 @@ class BatchSampling:
     def params(self) -> tuple[torch.Tensor, ...]:
         return self.temperature, self.top_k, self.top_p, self.min_p
 
+    def trimmed(self, g: int) -> "BatchSampling":
+        """The draws of a step whose drafts were cut to the first ``g`` after the walk (the planner's
+        :meth:`~dflash2.engine.planner.Planner.trim`): the verifier's first ``g``, the same emitted
+        token's draw."""
+        return replace(self, accept_u=self.accept_u[:, :g])
+
 
 @dataclass
 class StepOutput:
@@ -219,6 +226,10 @@ class StepOutput:
     logits: torch.Tensor | None = None
     # the last logits row of the prompt that went in with this step's forward (--enable-mixed-chunk)
     prefilled: torch.Tensor | None = None
+    # where the draft's confidence cut the step (``trim``): the width verified, and the confidence
+    # ``[B, g]`` of every slot drafted (what the planner's calibration learns from)
+    width: int | None = None
+    confidence: np.ndarray | None = None
 
     def __post_init__(self):
         self.num_accepted = [len(t) - 1 for t in self.tokens]
@@ -259,8 +270,16 @@ class Runner(Protocol):
     # overlap: host work to run while the device computes the step (before its read-back); prefill: a
     # new request's next prompt tokens, run inside the step's forward where the runner can (then
     # StepOutput.prefilled holds its last logits row; else the overlap's prefill takes them)
+    # trim: after the draft, its confidence [B, g] (numpy) -> the width to verify (a runner that cannot
+    # verify another width than it drafted ignores it)
     def step(
-        self, reqs: list, sampling: BatchSampling | None, width: int | None = None, overlap=None, prefill=None
+        self,
+        reqs: list,
+        sampling: BatchSampling | None,
+        width: int | None = None,
+        overlap=None,
+        prefill=None,
+        trim: Callable[[np.ndarray], int] | None = None,
     ) -> StepOutput: ...
 
     def bucket(self, n: int) -> int: ...  # the batch size a step of n requests is costed under
@@ -357,13 +376,16 @@ def propose(
     lm_head_weight: torch.Tensor,
     sampling: BatchSampling | None,
     capturable: bool = False,
+    candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """Draft tokens ``[B, g]`` from the block's hidden states, and ``q_draft [B, g, V]`` (None when
-    the batch is greedy: argmax acceptance does not read it)."""
+    the batch is greedy: argmax acceptance does not read it). ``candidates``: the slots' top-k, where
+    the caller took them already (``scored_candidates``)."""
+    cands = candidates if candidates is not None else draft.candidates(hidden, lm_head_weight)
     if sampling is None:
-        return greedy_walk(draft, hidden, anchors, lm_head_weight), None
+        return greedy_walk(draft, hidden, anchors, lm_head_weight, cands), None
     sel = draft.candidate_selector.walk(
-        draft.candidates(hidden, lm_head_weight),
+        cands,
         hidden,
         anchors,
         sampling.temperature,

@@ -99,13 +99,16 @@ class DraftBlockOutput:
 
 
 def greedy_walk(
-    draft: DFlash2DraftModel, hidden: torch.Tensor, anchors: torch.Tensor, lm_head_weight: torch.Tensor
+    draft: DFlash2DraftModel,
+    hidden: torch.Tensor,
+    anchors: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The selector's argmax path ``[B, g]`` over the slots' candidates (no host reads: capturable)."""
     zeros = torch.zeros(anchors.shape[0], device=anchors.device)
-    return draft.candidate_selector.walk(
-        draft.candidates(hidden, lm_head_weight), hidden, anchors, zeros, all_greedy=True
-    ).tokens
+    cands = candidates if candidates is not None else draft.candidates(hidden, lm_head_weight)
+    return draft.candidate_selector.walk(cands, hidden, anchors, zeros, all_greedy=True).tokens
 
 
 @torch.no_grad()

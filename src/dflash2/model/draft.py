@@ -206,9 +206,26 @@ class DFlash2DraftModel(nn.Module):
         of :meth:`compute_logits`. With a token map the top-k is taken over the mapped rows only: the
         ids are sorted, so the order (value, then lower id) is the same, and no full-vocabulary
         tensor is built (that cost ~3 ms a CPU step in fills and copies)."""
+        return self._candidates(hidden, lm_head_weight, False)[:2]
+
+    def scored_candidates(
+        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`candidates`, and each slot's confidence ``[..., slots]``: the draft head's softmax
+        probability of its top token. It depends on the block's hidden states only, never on the
+        tokens a sampled walk draws, so a verify width chosen from it keeps every verifier lossless
+        (the planner's :meth:`~dflash2.engine.planner.Planner.trim`)."""
+        vals, ids, conf = self._candidates(hidden, lm_head_weight, True)
+        assert conf is not None
+        return vals, ids, conf
+
+    def _candidates(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, confidence: bool):
         tm = self._mapped(lm_head_weight)
         if tm is None:
-            return self.candidate_selector.candidates(self.compute_logits(hidden, lm_head_weight))
-        ids, sub_weight, _, packed = tm
-        vals, sub_idx = self.candidate_selector.candidates(self._sub_logits(hidden, sub_weight, packed))
-        return vals, ids[sub_idx]
+            logits, ids = self.compute_logits(hidden, lm_head_weight), None
+        else:
+            ids, sub_weight, _, packed = tm
+            logits = self._sub_logits(hidden, sub_weight, packed)
+        vals, idx = self.candidate_selector.candidates(logits)
+        conf = (vals[..., 0] - logits.logsumexp(-1)).exp() if confidence else None
+        return vals, idx if ids is None else ids[idx], conf

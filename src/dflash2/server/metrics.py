@@ -65,10 +65,25 @@ class _EngineCollector:
             "Verify width per batched step, averaged",
             value=sum(w * n for w, n in s.steps_by_width.items()) / steps if steps else 0.0,
         )
+        yield CounterMetricFamily(
+            "dflash2_spec_steps_trimmed",
+            "Drafting steps verified narrower than drafted (the planner, from the draft's confidence)",
+            value=s.steps_trimmed,
+        )
         # calibration: the planner's per-draft acceptance estimate beside what the drafts did
         yield GaugeMetricFamily(
             "dflash2_spec_planner_alpha", "Planner's prior per-draft acceptance", value=e.planner.prior_alpha()
         )
+        calib = e.planner.calibration
+        fit = GaugeMetricFamily(
+            "dflash2_spec_confidence_fit",
+            "Acceptance from the draft's confidence: logistic (bias, slope) on logit(confidence) per position",
+            labels=["position", "term"],
+        )
+        for i, (bias, slope) in enumerate(calib.coef if calib.fitted else ()):
+            fit.add_metric([str(i + 1), "bias"], float(bias))
+            fit.add_metric([str(i + 1), "slope"], float(slope))
+        yield fit
         yield CounterMetricFamily(
             "dflash2_spec_requests_not_drafting",
             "Requests admitted without drafting (the planner: drafting could not pay at that load)",
