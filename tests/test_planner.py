@@ -934,7 +934,7 @@ def _trimming_planner(per_token_ms: float) -> Planner:
     """A fitted calibration where acceptance follows confidence steeply, and step costs of a fixed part
     plus ``per_token_ms`` a token (the eager runner's shape: every width runs)."""
     p = Planner(W, PlannerConfig(mode="auto"))
-    p.widths = tuple(range(1, W + 1))
+    p.widths, p.trim_widths = tuple(range(1, W + 1)), tuple(range(2, W + 1))
     for w in (1, 2, W):
         p.costs[(4, w)] = (10.0 + per_token_ms * 4 * w) / 1e3
     p.calibration.coef[:] = [0.0, 1.5]
@@ -982,17 +982,20 @@ def _trim_engine(t, d, width, coef, **cfg) -> LLMEngine:
     """``coef``: the calibration's (bias, slope), set where the drafter's confidence spans the cut."""
     eng = LLMEngine(t, d, EngineConfig(num_draft_tokens=width, speculative_planner="auto", **cfg))
     p = FullThenTrim(width, PlannerConfig(mode="auto"))
-    p.widths = eng.runner.widths
+    p.widths, p.trim_widths = eng.runner.widths, eng.runner.trim_widths
     p.calibration.coef[:] = coef
     p.calibration.fitted = True
     eng.planner = p
     return eng
 
 
-def test_greedy_equals_target_while_the_confidence_trims(llama):
+@pytest.mark.parametrize("runner, slots", [("paged", 3), ("static", 3), ("static", 1)])
+def test_greedy_equals_target_while_the_confidence_trims(llama, runner, slots):
+    """The paged runner and the static one run eagerly (the CPU's batch 1 is the static runner's one slot)."""
     t, d = llama
     # (this random drafter's confidence: logit -3.2 .. -2.3)
-    eng = _trim_engine(t, d, W, (13.0, 4.0), max_running_requests=3, context_length=128, runner="paged")
+    eng = _trim_engine(t, d, W, (13.0, 4.0), max_running_requests=slots, context_length=128, runner=runner)
+    assert eng.runner.trim_widths == tuple(range(2, W + 1))
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, VOCAB, (int(torch.randint(3, 15, (), generator=g)),), generator=g) for _ in range(5)]
     reqs = [Request(p.tolist(), SamplingParams(max_new_tokens=30)) for p in prompts]

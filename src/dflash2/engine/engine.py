@@ -226,6 +226,7 @@ class LLMEngine:
         )
         self.runner: Runner = self._make_runner()
         self.planner.widths = self.runner.widths  # the widths the planner may choose among
+        self.planner.trim_widths = self.runner.trim_widths  # and cut a drafted step to (Planner.trim)
         if self.planner.adapts and self.runner.use_graph:  # step costs of every bucket, before any request
             self.planner.profile.update(cached_profile(self.runner, target, self.draft))
         self.scheduler = Scheduler(self.runner.kv, cfg.max_running_requests, self.width)
@@ -317,6 +318,7 @@ class LLMEngine:
                 compile_draft=not cfg.disable_torch_compile,
                 mixed_chunk=mixed,
                 batch_kinds=GRAPH_SAMPLING[cfg.graph_sampling],
+                trim=self.planner.adapts and self.planner.cfg.trim,
             )
         pool = BlockManager(cfg.max_total_tokens // cfg.page_size, cfg.page_size)
         return ModelRunner(target, self.draft, pool, self.width, cfg.block_verification, cfg.synthetic_acceptance)

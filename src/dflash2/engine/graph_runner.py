@@ -195,6 +195,7 @@ class GraphModelRunner:
         mixed_chunk: bool = False,
         prefill_graphs: bool | None = None,
         batch_kinds: tuple[bool, ...] = (True, False),
+        trim: bool = False,
     ):
         """``page_size`` / ``num_pages``: KV (target and draft) in a pool of pages that requests
         take as they grow (the scheduler's :class:`BlockManager`), read through per-slot block tables
@@ -205,7 +206,10 @@ class GraphModelRunner:
         ``prefill_graphs``: first prompt chunks packed through the functions of :data:`PREFILL_TOKENS`
         (default: with a paged pool, or one slot where graphs are captured). ``batch_kinds``: the step
         graphs made at start-up, greedy batches (True) and / or sampled ones (False); a run whose
-        requests are all of one kind (``bench acceptance``) captures half as many."""
+        requests are all of one kind (``bench acceptance``) captures half as many. ``trim``: where
+        steps run eagerly (no CUDA graphs), a full-width step may be verified at any width 2 .. full
+        after its draft (:attr:`trim_widths`, the planner's ``trim``; with graphs that would read the
+        draft's confidence back between the two replays and capture every width: not yet measured)."""
         self.target, self.draft, self.w, self.max_len = target, draft, width, max_len
         # the widths a step may verify (the planner's choices): the full one, and 1 = the target alone
         self.verify_widths = tuple(sorted(set(verify_widths) | {width}))
@@ -232,6 +236,9 @@ class GraphModelRunner:
         self.static.check()  # refuse a layout the hand-written forward does not reproduce
         dev = target.device
         self.use_graph = cuda_graph and dev.type == "cuda"
+        # the widths a drafted step may be cut to after its draft (the draft's confidence per slot in ``conf``)
+        self.trim_widths = tuple(range(2, width + 1)) if trim and draft is not None and not self.use_graph else ()
+        self.conf = torch.zeros(num_slots, max(width - 1, 1), device=dev) if self.trim_widths else None
         st = self.static
         self.paged, self.page = st.paged, st.page_size
         self.kv: BlockManager | SlotManager = (
@@ -441,8 +448,8 @@ class GraphModelRunner:
         for kv_len in reversed(self.kv_buckets):
             for B in reversed(self.buckets):
                 for mix in (0, *self.mixed_lengths):
-                    for w in self.verify_widths:
-                        if not mix or self.mixes(B, w):
+                    for w in sorted(set(self.verify_widths) | set(self.trim_widths)):
+                        if not mix or (self.mixes(B, w) and w in self.verify_widths):
                             self._graph("verify", B, greedy, self._verify_kv(kv_len), w, mix, make=True)
                     if self.plain_graphs and (not mix or self.mixes(B, 1)):
                         self._graph("plain", B, greedy, self._verify_kv(kv_len), 1, mix, make=True)
@@ -626,8 +633,13 @@ class GraphModelRunner:
             d, self.target.embed, self.lat, self.tables[:B], self.page, self.ids[:B, 0], self.start[:B],
             self.ctx_pos[:, :W], self.w,
         )  # fmt: skip
+        head, cands = self.target.lm_head_weight, None
+        if self.conf is not None:  # (trimming: eager only, so the extra scores cost no capture)
+            vals, ids, conf = d.scored_candidates(hidden, head)
+            cands = (vals, ids)
+            self.conf[:B].copy_(conf)
         tokens, q = steps.propose(
-            d, hidden, self.ids[:B, 0], self.target.lm_head_weight, self._rows(B, greedy), capturable=True
+            d, hidden, self.ids[:B, 0], head, self._rows(B, greedy), capturable=True, candidates=cands
         )
         if q is not None:
             self.q_draft[:B].copy_(q)
@@ -784,8 +796,8 @@ class GraphModelRunner:
         and position on. One read-back; a commit only counts. ``width`` 1: the target alone this
         step (the verify graph over the anchors only, no draft replay). ``prefill``: a new request's
         whole prompt (:meth:`mixable`), run in the verify forward where it can be; ``prefilled`` then
-        holds its last logits row. ``trim``: not applied (the verify graph's width is the draft's;
-        a cut would read the confidence back between the replays)."""
+        holds its last logits row. ``trim``: where :attr:`trim_widths` allow, the draft's confidence
+        per slot -> the width to verify (a full-width step without a prompt in it)."""
         t0 = time.perf_counter()
         w = width or self.w
         # no request of the batch drafts: the target alone (the occupied slots outside the batch are
@@ -804,8 +816,12 @@ class GraphModelRunner:
             self._load_prefill([prefill], mix)  # (seated first: the step's bucket covers its slot)
         idx, B, kv_len = self._load(reqs, sampling)
         greedy = sampling is None
+        conf = None
         if w > 1:
             self._graph("draft", B, greedy, kv_len)[0]()
+            if trim is not None and self.conf is not None and w == self.w and not mix:
+                conf = self.conf[idx].cpu().numpy()
+                w = trim(conf)
         t1 = time.perf_counter()
         replay, out = self._graph(kind, B, greedy, self._verify_kv(kv_len), w, mix)
         replay()
@@ -816,6 +832,8 @@ class GraphModelRunner:
         self.clock.run(overlap)  # host work while the GPU runs (replays are asynchronous on CUDA)
         res = steps.finish_step(out["rows"][idx], t0, t1, self.clock)
         res.prefilled = first
+        if conf is not None:
+            res.width, res.confidence = w, conf
         if steps.wants_logprobs(reqs):
             res.logits = out["logits"][idx]
         for r, tokens in zip(reqs, res.tokens):

@@ -271,6 +271,11 @@ class ModelRunner:
         """The verify widths a step can run: any up to the full one (eager forwards of any length)."""
         return tuple(range(1, self.w + 1))
 
+    @property
+    def trim_widths(self) -> tuple[int, ...]:
+        """The widths a drafted step may be cut to after its draft: any from 2 (eager forwards)."""
+        return tuple(range(2, self.w + 1))
+
     def propose(
         self,
         reqs: list[Request],

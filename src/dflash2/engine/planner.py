@@ -334,6 +334,7 @@ class Planner:
     # the widths a step can run (the runner's: every width eagerly, the captured ones in graphs);
     # () = 1 and the full width
     widths: tuple[int, ...] = ()
+    trim_widths: tuple[int, ...] = ()  # the widths a drafted step may be cut to (the runner's): :meth:`trim`
     counts: AcceptanceCounts = field(init=False)  # per request and position
     calibration: ConfidenceCalibration = field(init=False)  # acceptance from the draft's confidence (trim)
     # a step observed, its counts not folded yet: (requests, accepted, width, the draft's confidence)
@@ -407,8 +408,8 @@ class Planner:
     @property
     def trims(self) -> bool:
         """Whether a drafting step's verify width is cut after the draft (:meth:`trim`): auto, where
-        every width can run (the eager runner; a graph's verify width is the draft's)."""
-        return self.adapts and self.cfg.trim and self._any_width()
+        the runner can cut it (``trim_widths``: its eager steps; a CUDA graph's width is the draft's)."""
+        return self.adapts and self.cfg.trim and bool(self.trim_widths)
 
     def trim(self, bucket: int, width: int, confidence: np.ndarray) -> int:
         """After a draft at ``width`` (``confidence [B, width - 1]``, :class:`ConfidenceCalibration`):
@@ -422,7 +423,7 @@ class Planner:
         reach = np.cumprod(self.calibration.rates(confidence[:, : width - 1]), axis=1).sum(0)
         tokens = _tokens_by_width(reach, confidence.shape[0])
         best, best_rate = width, 0.0
-        for w in range(2, width + 1):
+        for w in sorted({w for w in self.trim_widths if w < width} | {width}):
             c = self.cost(bucket, w)
             if c is None:
                 return width

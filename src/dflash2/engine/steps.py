@@ -265,6 +265,9 @@ class Runner(Protocol):
     @property
     def widths(self) -> tuple[int, ...]: ...  # the verify widths a step can run (the planner's choices)
 
+    @property
+    def trim_widths(self) -> tuple[int, ...]: ...  # the widths a drafted step may be cut to (step's trim)
+
     def prefill(self, req, max_tokens: int | None = None) -> torch.Tensor | None: ...
 
     # overlap: host work to run while the device computes the step (before its read-back); prefill: a
