@@ -373,7 +373,13 @@ def test_sampled_distribution_exact_while_widths_change(method):
         ),
     )
     eng.planner = RandomWidths(4, widths=eng.planner.widths)
-    n = 4000
+    triples = _first_three_sampled(eng, prompt, V)
+    assert set(eng.stats.steps_by_width) == {1, 2, 3, 4} and eng.stats.accepted_by_position[0] > 0
+    assert _chi2_ok(triples, joint)
+
+
+def _first_three_sampled(eng: LLMEngine, prompt: list[int], V: int, n: int = 4000) -> torch.Tensor:
+    """``n`` seeded T=1 requests of three tokens through ``eng``: each one's tokens as one index < V**3."""
     reqs = [
         Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=s, ignore_eos=True)) for s in range(n)
     ]
@@ -381,9 +387,7 @@ def test_sampled_distribution_exact_while_widths_change(method):
         eng.add_request(r)
     eng.run_until_done()
     assert all(r.finish_reason == "length" for r in reqs), {r.error for r in reqs}
-    assert set(eng.stats.steps_by_width) == {1, 2, 3, 4} and eng.stats.accepted_by_position[0] > 0
-    triples = torch.tensor([(r.output_ids[0] * V + r.output_ids[1]) * V + r.output_ids[2] for r in reqs])
-    assert _chi2_ok(triples, joint)
+    return torch.tensor([(r.output_ids[0] * V + r.output_ids[1]) * V + r.output_ids[2] for r in reqs])
 
 
 def test_metrics_and_meta_show_the_widths(llama):
@@ -931,12 +935,13 @@ def test_confidence_calibration_recovers_a_logistic_acceptance():
 
 
 def _trimming_planner(per_token_ms: float) -> Planner:
-    """A fitted calibration where acceptance follows confidence steeply, and step costs of a fixed part
-    plus ``per_token_ms`` a token (the eager runner's shape: every width runs)."""
+    """A fitted calibration where acceptance follows confidence steeply, a draft of 3 ms and verify
+    costs of a fixed part plus ``per_token_ms`` a token, timed apart (``observe_split``) at widths 1,
+    2 and the full one (the widths between: on the line between those)."""
     p = Planner(W, PlannerConfig(mode="auto"))
     p.widths, p.trim_widths = tuple(range(1, W + 1)), tuple(range(2, W + 1))
     for w in (1, 2, W):
-        p.costs[(4, w)] = (10.0 + per_token_ms * 4 * w) / 1e3
+        p.observe_split(4, w, 3e-3, (7.0 + per_token_ms * 4 * w) / 1e3)
     p.calibration.coef[:] = [0.0, 1.5]
     p.calibration.fitted = True
     return p
@@ -956,6 +961,13 @@ def test_trim_verifies_what_the_confidence_pays_for():
     cheap = _trimming_planner(per_token_ms=0.01)  # a verified token costs ~nothing: keep every draft
     assert cheap.trim(4, W, even) == W
     assert not Planner(W, PlannerConfig(mode="auto", trim=False)).trims
+    # priced from whole steps, a width between 1 (no draft) and the full one would look cheaper by the
+    # draft's cost: the verify's own times, a flat verify, keep every draft
+    flat = _trimming_planner(per_token_ms=0.0)
+    flat.costs[(4, 1)], flat.costs[(4, W)] = 7e-3, 10e-3  # whole steps: the full one with its draft
+    assert flat.trim(4, W, even) == W
+    assert flat._verify_cost(4, 3) == pytest.approx(7e-3)
+    assert Planner(W, PlannerConfig(mode="auto"))._verify_cost(4, 3) is None  # nothing timed: no cut
 
 
 class FullThenTrim(Planner):
@@ -971,8 +983,11 @@ class FullThenTrim(Planner):
     def retire(self, bucket):
         return False
 
-    def cost(self, bucket, width):
-        return 1.0 + 0.6 * width
+    def _draft_cost(self, bucket):
+        return 0.4
+
+    def _verify_cost(self, bucket, width):
+        return 0.6 + 0.6 * width
 
     def fold(self):  # the calibration stays as set (no refit): the cut is the test's
         self._pending = None
@@ -1027,15 +1042,7 @@ def test_sampled_distribution_exact_while_the_confidence_trims(method):
         max_total_tokens=64 * 16,
         page_size=8,
     )
-    n = 4000
-    reqs = [
-        Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=3, seed=s, ignore_eos=True)) for s in range(n)
-    ]
-    for r in reqs:
-        eng.add_request(r)
-    eng.run_until_done()
-    assert all(r.finish_reason == "length" for r in reqs), {r.error for r in reqs}
+    triples = _first_three_sampled(eng, prompt, V)
     widths = eng.stats.steps_by_width
     assert eng.stats.steps_trimmed > 0 and len([w for w in widths if w > 1]) >= 2, widths
-    triples = torch.tensor([(r.output_ids[0] * V + r.output_ids[1]) * V + r.output_ids[2] for r in reqs])
     assert _chi2_ok(triples, joint)

@@ -663,6 +663,8 @@ class LLMEngine:
         shape[0], shape[1] = shape[0] + 1, shape[1] + seconds
         t_obs = time.perf_counter()
         cost = None if out.prefilled is not None else seconds  # (a prompt's share is not the width's)
+        if drafting and cost is not None and self.planner.trims:
+            self.planner.observe_split(bucket, width, out.draft_s, out.verify_s)
         if drafting or self.draft is None:  # counts folded while the next step runs; finished ones are gone
             live = [b for b, r in enumerate(reqs) if not r.finished]
             self.planner.observe(

@@ -335,6 +335,10 @@ class Planner:
     # () = 1 and the full width
     widths: tuple[int, ...] = ()
     trim_widths: tuple[int, ...] = ()  # the widths a drafted step may be cut to (the runner's): :meth:`trim`
+    # trim's costs, the draft's and the verify's apart: bucket -> the draft's seconds, (bucket, width
+    # verified) -> the verify's (width 1: a drafting request's step without a draft)
+    draft_costs: dict[int, float] = field(default_factory=dict)
+    verify_costs: dict[tuple[int, int], float] = field(default_factory=dict)
     counts: AcceptanceCounts = field(init=False)  # per request and position
     calibration: ConfidenceCalibration = field(init=False)  # acceptance from the draft's confidence (trim)
     # a step observed, its counts not folded yet: (requests, accepted, width, the draft's confidence)
@@ -418,18 +422,48 @@ class Planner:
         drafts). Lossless: the confidence depends on the block's hidden states, not on what a sampled
         walk drew, so the cut is as if the step had drafted fewer (the drafts' distribution and the
         verifier's are unchanged)."""
-        if not self.calibration.fitted or width <= 2:
+        draft = self._draft_cost(bucket)
+        if not self.calibration.fitted or width <= 2 or draft is None:
             return width
         reach = np.cumprod(self.calibration.rates(confidence[:, : width - 1]), axis=1).sum(0)
         tokens = _tokens_by_width(reach, confidence.shape[0])
         best, best_rate = width, 0.0
         for w in sorted({w for w in self.trim_widths if w < width} | {width}):
-            c = self.cost(bucket, w)
+            c = self._verify_cost(bucket, w)
             if c is None:
                 return width
-            if tokens[w - 1] / c > best_rate:
-                best, best_rate = w, tokens[w - 1] / c
+            if tokens[w - 1] / (draft + c) > best_rate:
+                best, best_rate = w, tokens[w - 1] / (draft + c)
         return best
+
+    def _draft_cost(self, bucket: int) -> float | None:
+        return self.draft_costs.get(bucket)
+
+    def _verify_cost(self, bucket: int, width: int) -> float | None:
+        """The verify's seconds at ``width`` (the draft's apart: it is spent when :meth:`trim` chooses):
+        measured at ``bucket``, else linear between the nearest widths measured there. Why apart: priced
+        from whole steps, a width between 1 (no draft) and the full one (with it) was read off a line
+        from a step without the draft to one with it, too cheap by most of the draft's cost, and the
+        CPU's one-request steps were cut where verifying every draft cost little more (docs/benchmarks.md,
+        thirty-eighth session)."""
+        if (bucket, width) in self.verify_costs:
+            return self.verify_costs[(bucket, width)]
+        ran = sorted((w, c) for (b, w), c in self.verify_costs.items() if b == bucket)
+        lo = [(w, c) for w, c in ran if w < width]
+        hi = [(w, c) for w, c in ran if w > width]
+        if not lo or not hi:
+            return None
+        (w0, c0), (w1, c1) = lo[-1], hi[0]
+        return c0 + (c1 - c0) * (width - w0) / (w1 - w0)
+
+    def observe_split(self, bucket: int, width: int, draft_s: float, verify_s: float) -> None:
+        """A drafting request's step, its draft and its verify timed apart (:meth:`trim`'s costs)."""
+        new = 1 - self.cfg.cost_decay  # (the weight of the new time, as in the step costs)
+        if width > 1:
+            d = self.draft_costs.get(bucket)
+            self.draft_costs[bucket] = draft_s if d is None else (1 - new) * d + new * draft_s
+        v = self.verify_costs.get((bucket, width))
+        self.verify_costs[(bucket, width)] = verify_s if v is None else (1 - new) * v + new * verify_s
 
     def _probed_after(self, width: int, step: int) -> int:
         """``probed`` once a step at ``width`` runs as step ``step``: a drafting step after width 1 is a probe."""
