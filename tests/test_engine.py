@@ -394,6 +394,7 @@ def test_warm_up_drafts_then_starts_fresh(llama):
     eng.warm_up()
     assert widths and max(w or 0 for w in widths) >= 2  # the cold start drafts (eager: width 2 first)
     assert eng.planner.costs == {} and eng.planner.steps == 0 and eng.planner.widths == eng.runner.widths
+    assert eng.planner.trim_widths == eng.runner.trim_widths != () and eng.planner.trims  # the cut after the draft
     assert eng.planner.counts.prior_rates().tolist() == pytest.approx([eng.planner.cfg.prior] * 4)
     assert eng.stats.steps == eng.stats.completed == eng.stats.generated_tokens == 0
     assert eng.runner.kv.num_free == eng.runner.kv.num_blocks

@@ -517,7 +517,7 @@ class LLMEngine:
         sps = [sp for sp in sps if self.cfg.admits(sp)][:n]
         self.generate([ids] * len(sps), sps)
         p = self.planner  # what it was given at start-up (the profile, the widths), nothing it learnt
-        self.planner = Planner(p.width, p.cfg, profile=p.profile, widths=p.widths)
+        self.planner = Planner(p.width, p.cfg, profile=p.profile, widths=p.widths, trim_widths=p.trim_widths)
         self.stats = self._new_stats()
         self._ahead = None
 
