@@ -134,8 +134,8 @@ def main() -> None:
     prompts = [p.messages[-1]["content"] for p in load_prompts(args.heldout)][: args.prompts]
     flags = {"none": ["--speculative-algorithm", "NONE"], "auto": ["--speculative-planner", "auto"],
              "off": ["--speculative-planner", "off"],
-             # the planner without the cut after the draft (the draft's confidence, Planner.trim)
-             "notrim": ["--speculative-planner", "auto", "--disable-speculative-trim"],
+             # the planner with the cut after the draft (the draft's confidence, Planner.trim)
+             "trim": ["--speculative-planner", "auto", "--enable-speculative-trim"],
              # the drafter loaded, no request drafting (the schedule drafts only at 1 running request):
              # what a drafter engine's target-alone steps cost beside the target's own
              "plain": ["--speculative-width-schedule", "1:8"]}  # fmt: skip

@@ -381,7 +381,7 @@ def test_warm_up_drafts_then_starts_fresh(llama):
     free, and what runs next equals the target's greedy output."""
     t, d = llama
     cfg = EngineConfig(max_running_requests=3, num_draft_tokens=5, context_length=128, max_total_tokens=4096,
-                       page_size=8, speculative_planner="auto")  # fmt: skip
+                       page_size=8, speculative_planner="auto", speculative_trim=True)  # fmt: skip
     eng = LLMEngine(t, d, cfg)
     widths = []
     step = eng.runner.step

@@ -938,7 +938,7 @@ def _trimming_planner(per_token_ms: float) -> Planner:
     """A fitted calibration where acceptance follows confidence steeply, a draft of 3 ms and verify
     costs of a fixed part plus ``per_token_ms`` a token, timed apart (``observe_split``) at widths 1,
     2 and the full one (the widths between: on the line between those)."""
-    p = Planner(W, PlannerConfig(mode="auto"))
+    p = Planner(W, PlannerConfig(mode="auto", trim=True))
     p.widths, p.trim_widths = tuple(range(1, W + 1)), tuple(range(2, W + 1))
     for w in (1, 2, W):
         p.observe_split(4, w, 3e-3, (7.0 + per_token_ms * 4 * w) / 1e3)
@@ -960,7 +960,7 @@ def test_trim_verifies_what_the_confidence_pays_for():
     assert p.trim(4, W, doubtful) == W
     cheap = _trimming_planner(per_token_ms=0.01)  # a verified token costs ~nothing: keep every draft
     assert cheap.trim(4, W, even) == W
-    assert not Planner(W, PlannerConfig(mode="auto", trim=False)).trims
+    assert not Planner(W, PlannerConfig(mode="auto")).trims  # (off by default)
     # priced from whole steps, a width between 1 (no draft) and the full one would look cheaper by the
     # draft's cost: the verify's own times, a flat verify, keep every draft
     flat = _trimming_planner(per_token_ms=0.0)
@@ -995,8 +995,10 @@ class FullThenTrim(Planner):
 
 def _trim_engine(t, d, width, coef, **cfg) -> LLMEngine:
     """``coef``: the calibration's (bias, slope), set where the drafter's confidence spans the cut."""
-    eng = LLMEngine(t, d, EngineConfig(num_draft_tokens=width, speculative_planner="auto", **cfg))
-    p = FullThenTrim(width, PlannerConfig(mode="auto"))
+    eng = LLMEngine(
+        t, d, EngineConfig(num_draft_tokens=width, speculative_planner="auto", speculative_trim=True, **cfg)
+    )
+    p = FullThenTrim(width, PlannerConfig(mode="auto", trim=True))
     p.widths, p.trim_widths = eng.runner.widths, eng.runner.trim_widths
     p.calibration.coef[:] = coef
     p.calibration.fitted = True

@@ -31,7 +31,7 @@ def one_slot_engine(target, draft, width: int, args, max_tokens: int):
         sampler_backend=args.sampler_backend,
         chunked_prefill_size=-1,
         speculative_planner=args.speculative_planner,
-        speculative_trim=not args.disable_speculative_trim,
+        speculative_trim=args.enable_speculative_trim,
         speculative_width_schedule=args.speculative_width_schedule,
     )
     return LLMEngine(target, draft, cfg)

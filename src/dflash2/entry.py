@@ -73,11 +73,12 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
         "seeded sampled request repeats token for token under any load",
     )
     ap.add_argument(
-        "--disable-speculative-trim",
+        "--enable-speculative-trim",
         action="store_true",
-        help="with --speculative-planner auto on the paged runner: verify every drafted token (by default "
-        "a step verifies only the drafts that the draft's own confidence, calibrated by what was "
-        "accepted, pays for; lossless either way; docs/benchmarks.md, thirty-eighth session)",
+        help="with --speculative-planner auto, where steps run eagerly (the CPU): a drafting step verifies "
+        "only the drafts that the draft's own confidence, calibrated online by what was accepted, pays "
+        "for (lossless). Off by default: on the CPU it gained at 16 requests (T=0) and lost at one "
+        "(docs/benchmarks.md, thirty-eighth session)",
     )
     ap.add_argument(
         "--speculative-width-schedule",

@@ -76,7 +76,9 @@ class EngineConfig:
     stall_s: float = 120.0  # /health fails when the loop has work but has not come round for this long
     speculative_planner: str = "off"  # auto: each step's width by expected tokens/s (among the runner's widths); off
     speculative_width_schedule: str | None = None  # "BATCH:WIDTH,...": pinned widths by decode batch size
-    speculative_trim: bool = True  # auto, eager runner: the verify width cut after the draft (Planner.trim)
+    # auto, eager runners: the verify width cut after the draft from its confidence (Planner.trim); off by
+    # default: measured on the CPU it gained at 16 requests (T=0) and lost at one (docs/benchmarks.md, 38th session)
+    speculative_trim: bool = False
     # SGLang's flag: the static runner's target attention. triton: the live-KV kernel (reads each row's
     # live keys only); torch_native: masked SDPA over a buffer prefix; auto: triton on CUDA
     attention_backend: str = "auto"

@@ -107,7 +107,7 @@ class PlannerConfig:
     stale_after: int = 256
     # eager runners (every width can run): after the draft, verify only the drafts its confidence pays
     # for (:meth:`Planner.trim`); the calibration's counts decay by this per request-step
-    trim: bool = True
+    trim: bool = False
     confidence_decay: float = 0.998
 
     def __post_init__(self):

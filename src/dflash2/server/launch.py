@@ -159,7 +159,7 @@ def engine_config(args, target, draft, width: int):
         chunked_prefill_size=args.chunked_prefill_size,
         enable_mixed_chunk=args.enable_mixed_chunk,
         speculative_planner=args.speculative_planner,
-        speculative_trim=not args.disable_speculative_trim,
+        speculative_trim=args.enable_speculative_trim,
         speculative_width_schedule=args.speculative_width_schedule,
     )
 
