@@ -77,8 +77,8 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --speculative-planner auto, where steps run eagerly (the CPU): a drafting step verifies "
         "only the drafts that the draft's own confidence, calibrated online by what was accepted, pays "
-        "for (lossless). Off by default: on the CPU it gained at 16 requests (T=0) and lost at one "
-        "(docs/benchmarks.md, thirty-eighth session)",
+        "for (lossless). Off by default: on the CPU it lost at one request, and its gain at 16 (T=0) was "
+        "within the planner's run-to-run spread (docs/benchmarks.md, thirty-eighth session)",
     )
     ap.add_argument(
         "--speculative-width-schedule",

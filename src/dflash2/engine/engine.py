@@ -77,7 +77,8 @@ class EngineConfig:
     speculative_planner: str = "off"  # auto: each step's width by expected tokens/s (among the runner's widths); off
     speculative_width_schedule: str | None = None  # "BATCH:WIDTH,...": pinned widths by decode batch size
     # auto, eager runners: the verify width cut after the draft from its confidence (Planner.trim); off by
-    # default: measured on the CPU it gained at 16 requests (T=0) and lost at one (docs/benchmarks.md, 38th session)
+    # default: on the CPU it lost at one request, its gain at 16 (T=0) within the planner's run-to-run spread
+    # (docs/benchmarks.md, thirty-eighth session)
     speculative_trim: bool = False
     # SGLang's flag: the static runner's target attention. triton: the live-KV kernel (reads each row's
     # live keys only); torch_native: masked SDPA over a buffer prefix; auto: triton on CUDA
