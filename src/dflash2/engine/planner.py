@@ -448,13 +448,8 @@ class Planner:
         thirty-eighth session)."""
         if (bucket, width) in self.verify_costs:
             return self.verify_costs[(bucket, width)]
-        ran = sorted((w, c) for (b, w), c in self.verify_costs.items() if b == bucket)
-        lo = [(w, c) for w, c in ran if w < width]
-        hi = [(w, c) for w, c in ran if w > width]
-        if not lo or not hi:
-            return None
-        (w0, c0), (w1, c1) = lo[-1], hi[0]
-        return c0 + (c1 - c0) * (width - w0) / (w1 - w0)
+        lo, hi = _neighbours([(w, c) for (b, w), c in self.verify_costs.items() if b == bucket], width)
+        return _on_line(lo, hi, width) if lo and hi else None
 
     def observe_split(self, bucket: int, width: int, draft_s: float, verify_s: float) -> None:
         """A drafting request's step, its draft and its verify timed apart (:meth:`trim`'s costs)."""
@@ -710,13 +705,11 @@ class Planner:
         width-1 step; on the CPU at 16 requests, T=1, that was ~20 full-width steps of a run (3x a
         one-token step each) as waves drained through the batch sizes (docs/benchmarks.md,
         twenty-fourth session)."""
-        ran = sorted((b, c) for (b, w), c in self.costs.items() if w == width)
-        lo = [(b, c) for b, c in ran if b < bucket]
-        hi = [(b, c) for b, c in ran if b > bucket]
+        ran = [(b, c) for (b, w), c in self.costs.items() if w == width]
+        lo, hi = _neighbours(ran, bucket)
         if lo and hi:
-            (b0, c0), (b1, c1) = lo[-1], hi[0]
-            return c0 + (c1 - c0) * (bucket - b0) / (b1 - b0)
-        near = lo[-1] if lo else hi[0] if hi else None
+            return _on_line(lo, hi, bucket)
+        near = lo or hi
         return None if near is None else near[1]
 
     def observe(
@@ -783,6 +776,18 @@ class Planner:
             "confidence_fit": self.calibration.state() if self.calibration.fitted else None,
             "steps": self.steps,
         }
+
+
+def _neighbours(points: list[tuple[int, float]], x: int) -> tuple[tuple[int, float] | None, tuple[int, float] | None]:
+    """The points ``(at, cost)`` nearest below and above ``x`` (None where there is none)."""
+    lo = max((p for p in points if p[0] < x), default=None)
+    hi = min((p for p in points if p[0] > x), default=None)
+    return lo, hi
+
+
+def _on_line(lo: tuple[int, float], hi: tuple[int, float], x: int) -> float:
+    """The cost at ``x`` on the line through ``lo`` and ``hi``."""
+    return lo[1] + (hi[1] - lo[1]) * (x - lo[0]) / (hi[0] - lo[0])
 
 
 def _tokens_by_width(reach: np.ndarray, rows: int) -> np.ndarray:
