@@ -140,8 +140,19 @@ def test_graph_sampling_makes_one_kind_of_step_graph(llama, kind):
         eng.add_request(Request(prompts[0].tolist(), other))
     with pytest.raises(ValueError, match="graph_sampling must be"):
         EngineConfig(graph_sampling="greedy_only")
-    with pytest.raises(ValueError, match="needs the planner off"):
-        EngineConfig(graph_sampling=kind, speculative_planner="auto")
+    # the planner's start-up profile times that kind's steps (no graphs of the other kind to replay)
+    auto = LLMEngine(
+        t,
+        d,
+        EngineConfig(
+            max_running_requests=3, num_draft_tokens=5, context_length=128, page_size=8, runner="static",
+            speculative_planner="auto", graph_sampling=kind,
+        ),
+    )  # fmt: skip
+    costs = auto.runner.profile(repeats=1)
+    widths = (*auto.runner.verify_widths, *((0,) if auto.runner.plain_graphs else ()))
+    assert set(costs) == {(B, w) for B in auto.runner.buckets for w in widths} and 5 in widths
+    assert all(c > 0 for c in costs.values())
 
 
 @pytest.mark.parametrize("width", [1, 5])

@@ -83,7 +83,8 @@ def measure(
                 max_total_tokens=max(65536, concurrency * 2048),
                 speculative_planner=planner,
                 attention_backend=attention_backend,
-                **(engine_kw or {}),
+                # a level runs one temperature: that kind's step graphs only (half the captures)
+                **{"graph_sampling": "greedy" if temperature == 0 else "sampled", **(engine_kw or {})},
             ),
         )
         if engines is not None:

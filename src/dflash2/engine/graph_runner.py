@@ -330,6 +330,7 @@ class GraphModelRunner:
         # Greedy graphs first; a failed capture leaves that kind of step eager over the same buffers
         # (slower, still correct) rather than the engine down.
         self.graphed = {True: self.use_graph, False: self.use_graph}  # by "greedy batch"
+        self.batch_kinds = batch_kinds
         for greedy in batch_kinds:
             try:
                 self._make_graphs(greedy)
@@ -372,16 +373,17 @@ class GraphModelRunner:
 
     @torch.no_grad()
     def profile(self, repeats: int = 5) -> dict[tuple[int, int], float]:
-        """Seconds per greedy step by (bucket, verify width), replayed over the shortest attention
-        prefix, synchronised (before any request: the rows written are idle slots'). Width 0: the
-        target alone, without the drafter's latent writes (a batch of requests that do not draft)."""
+        """Seconds per step by (bucket, verify width), replayed over the shortest attention prefix,
+        synchronised (before any request: the rows written are idle slots'), of greedy batches where
+        their graphs were made, else of sampled ones (``batch_kinds``). Width 0: the target alone,
+        without the drafter's latent writes (a batch of requests that do not draft)."""
         sync = torch.cuda.synchronize if self.use_graph else (lambda: None)
         out: dict[tuple[int, int], float] = {}
-        kv_len = self.kv_buckets[0]
+        kv_len, greedy = self.kv_buckets[0], True in self.batch_kinds
         for B in self.buckets:
             for w in self.verify_widths + ((0,) if self.plain_graphs else ()):
-                fns = ([self._graph("draft", B, True, kv_len)[0]] if w > 1 and self.draft is not None else []) + [
-                    self._graph("plain" if w == 0 else "verify", B, True, self._verify_kv(kv_len), max(w, 1))[0]
+                fns = ([self._graph("draft", B, greedy, kv_len)[0]] if w > 1 and self.draft is not None else []) + [
+                    self._graph("plain" if w == 0 else "verify", B, greedy, self._verify_kv(kv_len), max(w, 1))[0]
                 ]
                 for fn in fns:  # once untimed
                     fn()

@@ -817,6 +817,7 @@ def cached_profile(runner, target, draft) -> dict[tuple[int, int], float]:
         "kv": runner.kv_buckets[0],
         "graphs": runner.use_graph,
         "plain": getattr(runner, "plain_graphs", False),  # width 0 (the target alone) profiled too
+        "greedy": True in getattr(runner, "batch_kinds", (True,)),  # else sampled steps were timed
     }
     tp = getattr(target, "tp", None)  # split over ranks: rank 0's file and clock serve every rank
     if tp is not None:
