@@ -795,6 +795,7 @@ def stage_engine(args) -> None:
             requests_per_slot=args.requests_per_slot,
             rounds=args.rounds,
             adaptive=args.adaptive,
+            planner_widths=args.planner_widths,
             attention_backends=tuple(args.attention_backends.split(",")),
             on_level=keep,
             deadline=T_START + args.deadline_s,
@@ -2076,6 +2077,9 @@ def main() -> None:
     ap.add_argument("--target-shape", default="llama-8b", help="shape: the random target's shape")
     ap.add_argument("--acceptances", default="0.92,0.5", help="shape: synthetic acceptance rates, one run each")
     ap.add_argument("--adaptive", action="store_true", help="engine: each DFlash2 row again with the planner on")
+    ap.add_argument(
+        "--planner-widths", default=None, help="engine, with --adaptive: a third row, the planner with these widths too"
+    )
     ap.add_argument("--speed-verifiers", default="token,block", help="order of the rows, e.g. block,token")
     ap.add_argument(
         "--speed-temperature",

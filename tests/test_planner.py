@@ -13,7 +13,7 @@ from targets import VOCAB, build, exact_joint, sharp_v8_llama, v8_draft
 from test_hardening import _chi2_ok
 from test_speculative import hf_greedy, random_draft
 from dflash2.engine.engine import EngineConfig, LLMEngine
-from dflash2.engine.planner import Planner, PlannerConfig, parse_schedule
+from dflash2.engine.planner import Planner, PlannerConfig, parse_schedule, parse_widths
 from dflash2.engine.request import Request
 from dflash2.model import DFlash2DraftModel
 from dflash2.sampling import SamplingParams
@@ -220,6 +220,52 @@ def _geometric(rng, rate, most):
     return n
 
 
+def test_a_width_between_with_graphs_of_its_own_counts_without_the_margin():
+    """CUDA graphs with --speculative-planner-widths 3 at width 5: every step accepts its first draft
+    and half its second. Widths 1, 3 and 5 profiled at start-up at 1.0, 1.5 and 2.4 ms: tokens/ms 1.0,
+    1.67 and ~1.0, so width 3 wins by far more than the hysteresis; the eager margin for widths priced
+    by their tokens (15% over both ends) does not apply to a width whose cost was replayed. A new
+    request is admitted drafting for it; without its graphs the planner keeps the full width."""
+    p = Planner(W, PlannerConfig(mode="auto", widths=(3,), probe_every=1000))
+    assert p.can_pick(3) and not p.can_pick(2)
+    p.widths = (1, 3, W)
+    p.profile.update({(4, 0): 0.0010, (4, 1): 0.0010, (4, 3): 0.0015, (4, W): 0.0024})
+    rids = [f"r{i}" for i in range(4)]
+    for i in range(40):
+        p.observe(rids, [2 if i % 2 else 1] * 4, W, 4, None)
+    tokens = p.expected_by_width(rids) / 4
+    assert tokens[2] == pytest.approx(2.5, abs=0.1) and tokens[4] == pytest.approx(2.5, abs=0.1)
+    assert p.choose(rids, 4) == 3 and p.speculate_new(4, 4)
+    p.cfg.between_margin = 1.0  # a replayed cost: the margin is not its
+    assert p.choose(rids, 4) == 3
+    q = Planner(W, PlannerConfig(mode="auto", probe_every=1000))  # graphs of 1 and W only
+    q.widths, q.profile = (1, W), {k: v for k, v in p.profile.items() if k[1] != 3}
+    for i in range(40):
+        q.observe(rids, [2 if i % 2 else 1] * 4, W, 4, None)
+    assert q.choose(rids, 4) == W and not q.can_pick(3)
+
+
+def test_planner_widths_are_checked_where_they_are_read(llama):
+    assert parse_widths("3", 5) == (3,) and parse_widths("3,2,3", 5) == (2, 3) and parse_widths(None, 5) == ()
+    for bad, why in (("1", "between 1 and"), ("5", "between 1 and"), ("two", "not a list")):
+        with pytest.raises(ValueError, match=why):
+            parse_widths(bad, 5)
+    with pytest.raises(ValueError, match="needs --speculative-planner auto"):
+        EngineConfig(num_draft_tokens=5, speculative_planner_widths="3")
+    with pytest.raises(ValueError, match="between 1 and the full width 5"):
+        EngineConfig(num_draft_tokens=5, speculative_planner="auto", speculative_planner_widths="6")
+    t, d = llama
+    eng = LLMEngine(
+        t,
+        d,
+        EngineConfig(
+            max_running_requests=2, num_draft_tokens=5, context_length=64, runner="static",
+            speculative_planner="auto", speculative_planner_widths="3",
+        ),
+    )  # fmt: skip
+    assert eng.runner.verify_widths == (1, 3, 5) and eng.planner.widths == (1, 3, 5)
+
+
 def test_acceptance_is_estimated_per_position():
     """Drafts that pass in streaks (all or nothing) against drafts that pass independently at the same
     first-draft rate: the per-position estimate expects more tokens from the streaks at the full width,
@@ -310,23 +356,29 @@ def test_width_1_runs_no_draft_forward(llama, runner, monkeypatch):
     assert all(1 <= r.mean_width < W for r in reqs if r.verify_steps)  # /generate's spec_mean_width
 
 
-@pytest.mark.parametrize("runner", ["paged", "static"])
-def test_greedy_equals_target_while_widths_change(llama, runner):
+@pytest.mark.parametrize("runner, between", [("paged", None), ("static", None), ("static", "2,3")])
+def test_greedy_equals_target_while_widths_change(llama, runner, between):
+    """``between``: --speculative-planner-widths, verify widths between 1 and W with step graphs of
+    their own (the draft builds its full block; the verify reads its first drafts)."""
     t, d = llama
     # (planner auto: the static runner makes its width-1 graphs, which the random widths then use)
     cfg = EngineConfig(
-        max_running_requests=3, num_draft_tokens=W, context_length=128, runner=runner, speculative_planner="auto"
-    )
+        max_running_requests=3, num_draft_tokens=W, context_length=128, runner=runner, speculative_planner="auto",
+        speculative_planner_widths=between,
+    )  # fmt: skip
     eng = LLMEngine(t, d, cfg)
-    eng.planner = RandomWidths(W, widths=eng.runner.widths if runner == "paged" else ())
+    eng.planner = RandomWidths(W, widths=eng.runner.widths if runner == "paged" or between else ())
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (int(torch.randint(3, 15, (), generator=g)),), generator=g) for _ in range(6)]
     reqs = [Request(p.tolist(), SamplingParams(max_new_tokens=25 + 5 * i)) for i, p in enumerate(prompts)]
     for r in reqs:
         eng.add_request(r)
     eng.run_until_done()
-    # the paged runner runs every width (the planner's choices in between too), the graphs 1 and W
-    assert set(eng.stats.steps_by_width) == ({1, W} if runner == "static" else set(range(1, W + 1)))
+    # the paged runner runs every width (the planner's choices in between too), the graphs 1, W and those asked for
+    static = {1, W} | ({2, 3} if between else set())
+    assert set(eng.stats.steps_by_width) == (static if runner == "static" else set(range(1, W + 1)))
+    if between:
+        assert {k[4] for k in eng.runner.graphs if k[0] == "verify"} == {1, 2, 3, W}
     for p, r in zip(prompts, reqs):
         assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
 
@@ -351,10 +403,11 @@ def test_sampled_truncated_requests_run_at_every_width(llama):
     assert set(eng.stats.steps_by_width) == set(range(1, W + 1))
 
 
-@pytest.mark.parametrize("method", ["token", "block"])
-def test_sampled_distribution_exact_while_widths_change(method):
+@pytest.mark.parametrize("method, runner", [("token", "paged"), ("block", "paged"), ("block", "static")])
+def test_sampled_distribution_exact_while_widths_change(method, runner):
     """The first three sampled tokens follow the target's exact joint distribution (enumerated)
-    while every step's width is any of 1 .. the full one at random (block verification included)."""
+    while every step's width is any of 1 .. the full one at random (block verification included; the
+    static runner's with --speculative-planner-widths 2,3: step graphs of every width)."""
     V = 8
     model = sharp_v8_llama(3)
     t, d = TargetModel(model, layer_ids=[0]), v8_draft(std=0.3)
@@ -370,6 +423,9 @@ def test_sampled_distribution_exact_while_widths_change(method):
             block_verification=method == "block",
             max_total_tokens=64 * 16,
             page_size=8,
+            runner=runner,
+            speculative_planner="auto" if runner == "static" else "off",
+            speculative_planner_widths="2,3" if runner == "static" else None,
         ),
     )
     eng.planner = RandomWidths(4, widths=eng.planner.widths)

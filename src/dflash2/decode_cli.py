@@ -32,6 +32,7 @@ def one_slot_engine(target, draft, width: int, args, max_tokens: int):
         chunked_prefill_size=-1,
         speculative_planner=args.speculative_planner,
         speculative_trim=args.enable_speculative_trim,
+        speculative_planner_widths=args.speculative_planner_widths,
         speculative_width_schedule=args.speculative_width_schedule,
     )
     return LLMEngine(target, draft, cfg)

@@ -81,6 +81,13 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
         "within the planner's run-to-run spread (docs/benchmarks.md, thirty-eighth session)",
     )
     ap.add_argument(
+        "--speculative-planner-widths",
+        default=None,
+        help="with --speculative-planner auto and CUDA graphs: verify widths between 1 and "
+        "--speculative-num-draft-tokens to capture too, for the planner to pick among (e.g. 3 or 2,3; each "
+        "adds a set of step graphs at start-up; eager runners run every width already)",
+    )
+    ap.add_argument(
         "--speculative-width-schedule",
         default=None,
         help="pin widths by decode batch size, e.g. 16:5,64:1 (up to 16 running: width 5; up to 64: 1; "

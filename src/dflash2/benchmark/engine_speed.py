@@ -69,6 +69,7 @@ def measure(
     server would (on CUDA an engine captures its graphs when it is built)."""
     key = (width if draft is not None else 1, block, concurrency, planner, attention_backend)
     eng = (engines or {}).get(key)
+    planner, _, between = planner.partition(":")  # "auto:3": the planner with verify widths between (graphs)
     if eng is None:
         eng = LLMEngine(
             target,
@@ -82,6 +83,7 @@ def measure(
                 block_verification=block,
                 max_total_tokens=max(65536, concurrency * 2048),
                 speculative_planner=planner,
+                speculative_planner_widths=between or None,
                 attention_backend=attention_backend,
                 # a level runs one temperature: that kind's step graphs only (half the captures)
                 **{"graph_sampling": "greedy" if temperature == 0 else "sampled", **(engine_kw or {})},
@@ -187,12 +189,14 @@ def run(
     attention_backends: tuple[str, ...] = ("auto",),
     engine_kw: dict | None = None,
     deadline: float | None = None,
+    planner_widths: str | None = None,
 ) -> list[ConcurrencyRow]:
     """Every config at every concurrency, ``rounds`` times. Round k runs the configs in an order
     rotated by k (target included), so no config is always the first after a change: on a lent,
     host-bound GPU one row's speed moved 2-3x with its place in the order. ``on_level(rows so far)``
     runs after each concurrency level, so a run cut by a time limit keeps the levels it finished.
-    ``adaptive``: each DFlash2 config again with the planner choosing its width per step.
+    ``adaptive``: each DFlash2 config again with the planner choosing its width per step (and, with
+    ``planner_widths``, once more with those widths between 1 and the full one to choose among).
     ``attention_backends``: every config (the target too) once per backend, each speedup against
     the target on the same backend. ``engine_kw``: further :class:`EngineConfig` fields for every
     engine (``disable_cuda_graph``, ``synthetic_acceptance``: then every name says "synthetic").
@@ -205,9 +209,11 @@ def run(
     for a in attention_backends:
         sfx = f" [{a}]" if len(attention_backends) > 1 else ""
         sfx += " synthetic" if (engine_kw or {}).get("synthetic_acceptance") else ""
+        planners = ("off", "auto", *((f"auto:{planner_widths}",) if planner_widths else ())) if adaptive else ("off",)
+        label = {"off": "", "auto": " adaptive", f"auto:{planner_widths}": f" adaptive+w{planner_widths}"}
         configs += [("target" + sfx, None, 1, False, "off", a)] + [
-            (f"dflash2 w={w} {v}{' adaptive' if p == 'auto' else ''}{sfx}", draft, w, v == "block", p, a)
-            for p in (("off", "auto") if adaptive else ("off",))
+            (f"dflash2 w={w} {v}{label[p]}{sfx}", draft, w, v == "block", p, a)
+            for p in planners
             for w in widths
             for v in verifiers
         ]

@@ -27,7 +27,7 @@ from ..sampling import SamplingParams
 from .block_manager import BlockManager
 from .graph_runner import GraphModelRunner, cuda_graphs_apply, static_bytes, static_supported
 from .model_runner import ModelRunner, tune_cpu_malloc
-from .planner import Planner, PlannerConfig, cached_profile, parse_schedule
+from .planner import Planner, PlannerConfig, cached_profile, parse_schedule, parse_widths
 from .request import Request, prefill_ids
 from .scheduler import Scheduler
 from .steps import (
@@ -80,6 +80,10 @@ class EngineConfig:
     # default: on the CPU it lost at one request, its gain at 16 (T=0) within the planner's run-to-run spread
     # (docs/benchmarks.md, thirty-eighth session)
     speculative_trim: bool = False
+    # auto, CUDA graphs: verify widths between 1 and the full one that the runner captures too, for the
+    # planner to pick among ("3" or "2,3"; eager runners run every width already). Off by default: each
+    # costs a set of step graphs at start-up, and its gain is unmeasured
+    speculative_planner_widths: str | None = None
     # SGLang's flag: the static runner's target attention. triton: the live-KV kernel (reads each row's
     # live keys only); torch_native: masked SDPA over a buffer prefix; auto: triton on CUDA
     attention_backend: str = "auto"
@@ -145,6 +149,9 @@ class EngineConfig:
         if self.graph_sampling not in GRAPH_SAMPLING:
             raise ValueError(f"graph_sampling must be one of {', '.join(GRAPH_SAMPLING)}, got {self.graph_sampling!r}")
         PlannerConfig(mode=self.speculative_planner)  # checks the name
+        between = parse_widths(self.speculative_planner_widths, self.num_draft_tokens)
+        if between and self.speculative_planner != "auto":
+            raise ValueError("--speculative-planner-widths needs --speculative-planner auto (it picks among them)")
         parse_schedule(self.speculative_width_schedule, self.num_draft_tokens)
 
 
@@ -221,6 +228,7 @@ class LLMEngine:
                 mode=cfg.speculative_planner,
                 schedule=parse_schedule(cfg.speculative_width_schedule, self.width),
                 trim=cfg.speculative_trim,
+                widths=parse_widths(cfg.speculative_planner_widths, self.width),
             ),
         )
         self.runner: Runner = self._make_runner()
@@ -308,7 +316,7 @@ class LLMEngine:
                 max_len,
                 cuda_graph=not cfg.disable_cuda_graph,
                 block_verification=cfg.block_verification,
-                verify_widths=(1,) if self.planner.can_pick(1) else (),
+                verify_widths=tuple(w for w in range(1, self.width) if self.planner.can_pick(w)),
                 attention=ATTENTION_BACKENDS[cfg.attention_backend],
                 page_size=None if pages is None else page,
                 num_pages=pages,

@@ -211,10 +211,12 @@ class GraphModelRunner:
         after its draft (:attr:`trim_widths`, the planner's ``trim``; with graphs that would read the
         draft's confidence back between the two replays and capture every width: not yet measured)."""
         self.target, self.draft, self.w, self.max_len = target, draft, width, max_len
-        # the widths a step may verify (the planner's choices): the full one, and 1 = the target alone
+        # the widths a step may verify (the planner's choices): the full one, 1 = the target alone, and
+        # any between (--speculative-planner-widths: the draft builds the full block, the verify reads
+        # its first drafts)
         self.verify_widths = tuple(sorted(set(verify_widths) | {width}))
-        if any(w not in (1, width) for w in self.verify_widths):
-            raise ValueError(f"verify widths must be 1 or {width}, got {verify_widths}")
+        if any(not 1 <= w <= width for w in self.verify_widths):
+            raise ValueError(f"verify widths must lie in 1 .. {width}, got {verify_widths}")
         self.block = block_verification
         self.synthetic = steps.synthetic_rates(synthetic_acceptance, width, target.device)  # benchmarks only
         self.clock = steps.OverlapClock(target.device)

@@ -71,6 +71,23 @@ def parse_schedule(text: str | None, width: int) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(pairs))
 
 
+def parse_widths(text: str | None, width: int) -> tuple[int, ...]:
+    """``"2,3"`` -> (2, 3): verify widths between 1 and the full ``width`` for the planner to pick among
+    (``--speculative-planner-widths``: the graph runner captures them too)."""
+    if not text:
+        return ()
+    try:
+        widths = tuple(sorted({int(x) for x in text.split(",")}))
+    except ValueError:
+        raise ValueError(f"--speculative-planner-widths: {text!r} is not a list of widths, e.g. 3 or 2,3") from None
+    if any(not 1 < w < width for w in widths):
+        raise ValueError(
+            f"--speculative-planner-widths: {text!r}: each width must lie between 1 and the full width {width} "
+            f"(both are always there)"
+        )
+    return widths
+
+
 @dataclass
 class PlannerConfig:
     mode: str = "off"  # auto: plan each step; off: always the full width (the default: docs/benchmarks.md)
@@ -109,6 +126,7 @@ class PlannerConfig:
     # for (:meth:`Planner.trim`); the calibration's counts decay by this per request-step
     trim: bool = False
     confidence_decay: float = 0.998
+    widths: tuple[int, ...] = ()  # widths between 1 and the full one that auto may pick (parse_widths)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -363,7 +381,7 @@ class Planner:
             return True
         if self.cfg.schedule:
             return any(w == width for _, w in self.cfg.schedule) or width == 1
-        return self.adapts and width == 1
+        return self.adapts and (width == 1 or width in self.cfg.widths)
 
     # ---- estimates -------------------------------------------------------------------------------
     def prior_alpha(self) -> float:
@@ -495,7 +513,7 @@ class Planner:
                     # a one-token one, and the full-width probes and cold starts were ~15 s of a 79 s run
                     # at 0.89x of the target alone (docs/benchmarks.md, twenty-fifth session)
                     return 2 if keep == 1 and 2 in cost else W
-        ok = self._counted(rate, rate[1])
+        ok = self._counted(rate, rate[1], bucket)
         best = max(ok, key=lambda w: rate[w])
         if keep not in ok:
             # a width between that no longer clears the margin is left for the best end, whatever the
@@ -536,13 +554,15 @@ class Planner:
             return None
         tokens = _tokens_by_width(np.cumprod(self.counts.prior_rates()), 1)
         rate = {w: tokens[w - 1] / c for w, c in cost.items() if c is not None}
-        return float(max(rate[w] for w in (self._counted(rate, 1 / plain) if strict else rate)) * plain)
+        return float(max(rate[w] for w in (self._counted(rate, 1 / plain, bucket) if strict else rate)) * plain)
 
-    def _counted(self, rate: dict[int, float], one: float) -> set[int]:
-        """The widths of ``rate`` (tokens/s by width) that count: the full width (and 1), and a width
-        between only where it beats both ends (``one``: width 1's rate) by ``between_margin``."""
+    def _counted(self, rate: dict[int, float], one: float, bucket: int) -> set[int]:
+        """The widths of ``rate`` (tokens/s by width) that count: the full width (and 1), a width
+        between with step graphs of its own (``profile``: its cost replayed at ``bucket`` at start-up,
+        as the ends' are), and any other width between only where it beats both ends (``one``: width
+        1's rate) by ``between_margin`` (eager: priced by its tokens until it runs, see the field)."""
         ends = max(one, rate[self.width]) * (1 + self.cfg.between_margin)
-        return {w for w, r in rate.items() if w in (1, self.width) or r > ends}
+        return {w for w, r in rate.items() if w in (1, self.width) or (bucket, w) in self.profile or r > ends}
 
     def retire(self, bucket: int) -> bool:
         """Whether the drafting requests of a batch at ``bucket`` stop drafting for good: auto only,

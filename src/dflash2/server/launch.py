@@ -160,6 +160,7 @@ def engine_config(args, target, draft, width: int):
         enable_mixed_chunk=args.enable_mixed_chunk,
         speculative_planner=args.speculative_planner,
         speculative_trim=args.enable_speculative_trim,
+        speculative_planner_widths=args.speculative_planner_widths,
         speculative_width_schedule=args.speculative_width_schedule,
     )
 
