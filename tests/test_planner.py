@@ -252,6 +252,11 @@ def test_planner_widths_are_checked_where_they_are_read(llama):
             parse_widths(bad, 5)
     with pytest.raises(ValueError, match="needs --speculative-planner auto"):
         EngineConfig(num_draft_tokens=5, speculative_planner_widths="3")
+    with pytest.raises(ValueError, match="no --speculative-width-schedule"):
+        EngineConfig(
+            num_draft_tokens=5, speculative_planner="auto", speculative_planner_widths="3",
+            speculative_width_schedule="8:5",
+        )  # fmt: skip
     with pytest.raises(ValueError, match="between 1 and the full width 5"):
         EngineConfig(num_draft_tokens=5, speculative_planner="auto", speculative_planner_widths="6")
     t, d = llama

@@ -150,8 +150,11 @@ class EngineConfig:
             raise ValueError(f"graph_sampling must be one of {', '.join(GRAPH_SAMPLING)}, got {self.graph_sampling!r}")
         PlannerConfig(mode=self.speculative_planner)  # checks the name
         between = parse_widths(self.speculative_planner_widths, self.num_draft_tokens)
-        if between and self.speculative_planner != "auto":
-            raise ValueError("--speculative-planner-widths needs --speculative-planner auto (it picks among them)")
+        if between and (self.speculative_planner != "auto" or self.speculative_width_schedule):
+            raise ValueError(
+                "--speculative-planner-widths needs --speculative-planner auto and no --speculative-width-schedule "
+                "(the planner picks among them; a schedule pins 1 or the full width)"
+            )
         parse_schedule(self.speculative_width_schedule, self.num_draft_tokens)
 
 
