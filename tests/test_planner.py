@@ -483,6 +483,32 @@ def test_step_cost_table_profiles_every_bucket_and_width(llama):
     assert all(float(r[4]) > 1 and float(r[5]) > 1 for r in rows)
 
 
+def test_bench_speed_breakdown_profiles_the_runner_it_asks_for(llama, monkeypatch, capsys):
+    """The CLI's options reach the runner by name: CUDA graphs unless --disable-cuda-graph, the
+    attention backend asked for, 1,024 positions of context."""
+    import dflash2.engine.graph_runner as gr
+    from dflash2.benchmark.cli import cmd_speed
+    from dflash2.cli import build_parser
+
+    t, d = llama
+    seen: list[dict] = []
+
+    class Recorded(gr.GraphModelRunner):
+        def __init__(self, *a, **kw):
+            seen.append({"max_len": a[4], **kw})
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(gr, "GraphModelRunner", Recorded)
+    monkeypatch.setattr("dflash2.entry.load_models", lambda args: (t, d, W))
+    args = build_parser().parse_args(["bench", "speed", "--breakdown", "--concurrency", "2"])
+    assert cmd_speed(args) == 0 and "bucket" in capsys.readouterr().out
+    assert seen[-1]["cuda_graph"] is True and seen[-1]["attention"] is None  # (auto: the runner picks)
+    assert seen[-1]["max_len"] == 1024 + W + 1
+    args = build_parser().parse_args(["bench", "speed", "--breakdown", "--disable-cuda-graph"])
+    args.attention_backend = "torch_native"
+    assert cmd_speed(args) == 0 and seen[-1]["cuda_graph"] is False and seen[-1]["attention"] == "sdpa"
+
+
 def test_speculate_new_requests_only_where_drafting_pays():
     """At admission: with the planner off, always; auto with nothing measured, yes (cold start); auto
     where the full width's expected tokens/s cannot beat the target alone's (width 0, else 1), no; a

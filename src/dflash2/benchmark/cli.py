@@ -165,7 +165,10 @@ def cmd_speed(args) -> int:
 
         slots = max([int(c) for c in args.concurrency.split(",")] if args.concurrency else [8])
         attention = ATTENTION_BACKENDS[args.attention_backend]
-        print(step_cost_table(target, draft, widths[0], slots, args.disable_cuda_graph, attention), flush=True)
+        table = step_cost_table(
+            target, draft, widths[0], slots, disable_cuda_graph=args.disable_cuda_graph, attention=attention
+        )
+        print(table, flush=True)
         return 0
     prompts = gsm8k_test_prompts(args.gsm8k_path, args.limit)
     if args.concurrency:

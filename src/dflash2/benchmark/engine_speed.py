@@ -319,10 +319,12 @@ def save(rows, json_path=None, png_path=None) -> None:
 
 
 def step_cost_table(
-    target, draft, width: int, slots: int, context_length: int = 1024, disable_cuda_graph=False, attention=None
+    target, draft, width: int, slots: int, *, context_length: int = 1024, disable_cuda_graph=False, attention=None
 ) -> str:
     """``GraphModelRunner.profile`` as a table: ms per greedy step by batch bucket, at ``width`` and at
-    width 1 (the target alone: no draft forward), and their ratio (what the planner weighs)."""
+    width 1 (the target alone: no draft forward), and their ratio (what the planner weighs). Keyword
+    options: passed by position, the CLI's ``disable_cuda_graph`` once landed in ``context_length`` and
+    its attention backend in ``disable_cuda_graph`` (so the table was of eager steps)."""
     from ..engine.graph_runner import GraphModelRunner, static_supported
 
     if not static_supported(target):
