@@ -361,15 +361,18 @@ def test_width_1_runs_no_draft_forward(llama, runner, monkeypatch):
     assert all(1 <= r.mean_width < W for r in reqs if r.verify_steps)  # /generate's spec_mean_width
 
 
-@pytest.mark.parametrize("runner, between", [("paged", None), ("static", None), ("static", "2,3")])
-def test_greedy_equals_target_while_widths_change(llama, runner, between):
+@pytest.mark.parametrize(
+    "runner, between, mixed", [("paged", None, False), ("static", None, False), ("static", "2,3", True)]
+)
+def test_greedy_equals_target_while_widths_change(llama, runner, between, mixed):
     """``between``: --speculative-planner-widths, verify widths between 1 and W with step graphs of
-    their own (the draft builds its full block; the verify reads its first drafts)."""
+    their own (the draft builds its full block; the verify reads its first drafts), new prompts run
+    inside steps of every width (--enable-mixed-chunk)."""
     t, d = llama
     # (planner auto: the static runner makes its width-1 graphs, which the random widths then use)
     cfg = EngineConfig(
         max_running_requests=3, num_draft_tokens=W, context_length=128, runner=runner, speculative_planner="auto",
-        speculative_planner_widths=between,
+        speculative_planner_widths=between, enable_mixed_chunk=mixed or None, page_size=8 if mixed else 16,
     )  # fmt: skip
     eng = LLMEngine(t, d, cfg)
     eng.planner = RandomWidths(W, widths=eng.runner.widths if runner == "paged" or between else ())
@@ -384,6 +387,8 @@ def test_greedy_equals_target_while_widths_change(llama, runner, between):
     assert set(eng.stats.steps_by_width) == (static if runner == "static" else set(range(1, W + 1)))
     if between:
         assert {k[4] for k in eng.runner.graphs if k[0] == "verify"} == {1, 2, 3, W}
+    if mixed:
+        assert eng.stats.prompts_mixed > 0
     for p, r in zip(prompts, reqs):
         assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
 
