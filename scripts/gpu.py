@@ -1920,6 +1920,17 @@ def stage_shape(args) -> None:
     tok = AutoTokenizer.from_pretrained(ROOT / "work" / "tok")
     dtype = torch.bfloat16 if args.graph_device == "cuda" else torch.float32  # cpu: a dry run
     target, draft = shapes.random_models(args.target_shape, args.graph_device, dtype, 5, tok)
+    if args.shape_draft:  # a real drafter (carried in the tree) beside the random target of its target's shape
+        from dflash2.model.checkpoint import load_draft
+        from dflash2.model.token_map import DEFAULT_NAME, load_token_map
+        from dflash2.target import TargetModel
+
+        draft = load_draft(ROOT / args.shape_draft, device=args.graph_device, dtype=dtype)
+        target = TargetModel(target.model, tok, draft.config.target_layer_ids)
+        if (ROOT / args.shape_draft / DEFAULT_NAME).is_file():
+            tm = load_token_map(ROOT / args.shape_draft / DEFAULT_NAME, draft.config.vocab_size)
+            draft.set_token_map(tm, target.lm_head_weight)
+        report["shape_draft"] = args.shape_draft
     report["seconds"]["build"] = round(time.time() - t0, 1)
     log(f"built {args.target_shape} and its drafter in {report['seconds']['build']} s")
     if args.draft_precision:
@@ -1958,6 +1969,7 @@ def stage_shape(args) -> None:
             requests_per_slot=args.requests_per_slot,
             rounds=args.rounds,
             adaptive=args.adaptive,
+            planner_widths=args.planner_widths,
             on_level=keep,
             engine_kw={
                 "synthetic_acceptance": (rate,),
@@ -2075,6 +2087,11 @@ def main() -> None:
     ap.add_argument("--draft-split", action="store_true", help="shape: the split draft softmax against the padded path")
     ap.add_argument("--split-softmax", choices=("on", "off"), default="on", help="model/attention.py SPLIT_SOFTMAX")
     ap.add_argument("--target-shape", default="llama-8b", help="shape: the random target's shape")
+    ap.add_argument(
+        "--shape-draft",
+        default=None,
+        help="shape: a drafter folder (e.g. models/smollm2-135m-dflash2) instead of a random one",
+    )
     ap.add_argument("--acceptances", default="0.92,0.5", help="shape: synthetic acceptance rates, one run each")
     ap.add_argument("--adaptive", action="store_true", help="engine: each DFlash2 row again with the planner on")
     ap.add_argument(
