@@ -209,11 +209,11 @@ def run(
     for a in attention_backends:
         sfx = f" [{a}]" if len(attention_backends) > 1 else ""
         sfx += " synthetic" if (engine_kw or {}).get("synthetic_acceptance") else ""
-        planners = ("off", "auto", *((f"auto:{planner_widths}",) if planner_widths else ())) if adaptive else ("off",)
-        label = {"off": "", "auto": " adaptive", f"auto:{planner_widths}": f" adaptive+w{planner_widths}"}
+        planners = [("off", "")] + [("auto", " adaptive")] * adaptive  # (measure's planner, the row's label)
+        planners += [(f"auto:{planner_widths}", f" adaptive+w{planner_widths}")] * bool(adaptive and planner_widths)
         configs += [("target" + sfx, None, 1, False, "off", a)] + [
-            (f"dflash2 w={w} {v}{label[p]}{sfx}", draft, w, v == "block", p, a)
-            for p in planners
+            (f"dflash2 w={w} {v}{label}{sfx}", draft, w, v == "block", p, a)
+            for p, label in planners
             for w in widths
             for v in verifiers
         ]
@@ -322,9 +322,8 @@ def step_cost_table(
     target, draft, width: int, slots: int, *, context_length: int = 1024, disable_cuda_graph=False, attention=None
 ) -> str:
     """``GraphModelRunner.profile`` as a table: ms per greedy step by batch bucket, at ``width`` and at
-    width 1 (the target alone: no draft forward), and their ratio (what the planner weighs). Keyword
-    options: passed by position, the CLI's ``disable_cuda_graph`` once landed in ``context_length`` and
-    its attention backend in ``disable_cuda_graph`` (so the table was of eager steps)."""
+    width 1 (the target alone: no draft forward), and their ratio (what the planner weighs). Options by
+    keyword: passed by position, the CLI's once landed one place off (an eager table on the GPU)."""
     from ..engine.graph_runner import GraphModelRunner, static_supported
 
     if not static_supported(target):
