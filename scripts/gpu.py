@@ -769,6 +769,7 @@ def stage_engine(args) -> None:
         from dflash2.training.sources import load_prompts
 
         sets["heldout"] = [p.messages for p in load_prompts(ROOT / "work" / "recipe" / "heldout_prompts.jsonl")]
+    shared: dict = {}  # --shared-engines: one engine per config for every level, set and temperature
     for (set_name, set_prompts), temp in [
         (kv, float(t)) for kv in sets.items() if kv[0] in args.prompt_sets.split(",")
         for t in args.graph_temperatures.split(",")
@@ -799,6 +800,8 @@ def stage_engine(args) -> None:
             attention_backends=tuple(args.attention_backends.split(",")),
             on_level=keep,
             deadline=T_START + args.deadline_s,
+            slots=max(concs) if args.shared_engines else None,
+            engines=shared,
         )
         print(f"engine, CUDA graphs, bf16, {set_name}, T={temp}\n" + engine_speed.table(rows), flush=True)
         keep(rows)
@@ -1971,6 +1974,7 @@ def stage_shape(args) -> None:
             adaptive=args.adaptive,
             planner_widths=args.planner_widths,
             on_level=keep,
+            slots=max(int(c) for c in args.concurrency.split(",")) if args.shared_engines else None,
             engine_kw={
                 "synthetic_acceptance": (rate,),
                 "enable_mixed_chunk": {"auto": None, "on": True, "off": False}[args.mixed_chunk],
@@ -2096,6 +2100,12 @@ def main() -> None:
     ap.add_argument("--adaptive", action="store_true", help="engine: each DFlash2 row again with the planner on")
     ap.add_argument(
         "--planner-widths", default=None, help="engine, with --adaptive: a third row, the planner with these widths too"
+    )
+    ap.add_argument(
+        "--shared-engines",
+        action="store_true",
+        help="engine, shape: one engine per config for every concurrency (and, engine, every prompt set and "
+        "temperature), built once at the largest concurrency (engine_speed.run's slots)",
     )
     ap.add_argument("--speed-verifiers", default="token,block", help="order of the rows, e.g. block,token")
     ap.add_argument(

@@ -122,6 +122,49 @@ def test_engine_speed_rows(tmp_path):
     assert "dflash2 w=5 block" in table(rows) and (tmp_path / "s.png").stat().st_size > 1000
 
 
+def test_engine_speed_shares_engines_across_levels_and_temperatures(monkeypatch):
+    """With ``slots`` every config builds one engine for all its levels and both temperatures: each
+    level caps the running requests at its concurrency and starts with a planner that learnt nothing."""
+    import torch
+    from targets import build
+    from test_speculative import random_draft
+    from dflash2.benchmark import engine_speed as es
+    from dflash2.target import TargetModel
+
+    t = TargetModel(build("llama"), layer_ids=[0, 2])
+    draft = random_draft(t).draft
+    built, planners = [], []
+    real = es.LLMEngine
+
+    def counting(*a, **kw):
+        eng = real(*a, **kw)
+        built.append(eng)
+        restart = eng.restart_planner
+
+        def restarted():
+            planners.append(eng)
+            restart()
+
+        eng.restart_planner = restarted
+        return eng
+
+    monkeypatch.setattr(es, "LLMEngine", counting)
+    monkeypatch.setattr(es, "render", lambda tok, p: torch.randint(3, 96, (6,)).tolist())
+    engines: dict = {}
+    args = (t, draft, ["a", "b", "c"], [5], ["block"], [1, 2], 6)
+    rows = es.run(*args, 0.0, requests_per_slot=2, slots=2, engines=engines, adaptive=True, warmup=False)
+    rows += es.run(*args, 1.0, requests_per_slot=2, slots=2, engines=engines, adaptive=True, warmup=False)
+    assert len(built) == 3 and len(engines) == 3  # target, fixed w5, auto: once each for 4 levels
+    assert all(e.cfg.max_running_requests == 2 and e.cfg.graph_sampling == "both" for e in built)
+    assert len(planners) == 3 * 3  # every level after the first restarts each engine's planner
+    for r in rows:  # each level held its own concurrency: every step of c=1 a batch of one
+        buckets = {int(k.split("x")[0]) for k in r.step_ms_by_shape}
+        assert r.requests == (2 if r.concurrency == 1 else 3)
+        assert buckets == {1} if r.concurrency == 1 else max(buckets) == 2
+    with pytest.raises(ValueError, match="slots 1 below"):
+        es.run(*args, 0.0, slots=1)
+
+
 def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
     """Rounds run every config once each, in an order rotated per round, and pool as
     sum(tokens) / sum(seconds); speedup is against the pooled target row."""

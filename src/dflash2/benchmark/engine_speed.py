@@ -63,11 +63,14 @@ def measure(
     planner: str = "off",
     attention_backend: str = "auto",
     engine_kw: dict | None = None,
+    slots: int | None = None,
 ) -> ConcurrencyRow:
     """One config at one concurrency. ``engines``: engines kept across calls, one per config and
     concurrency, so the warm-up pass and the timed rounds run on the same engine, as a warmed-up
-    server would (on CUDA an engine captures its graphs when it is built)."""
-    key = (width if draft is not None else 1, block, concurrency, planner, attention_backend)
+    server would (on CUDA an engine captures its graphs when it is built). ``slots``: one engine per
+    config for every concurrency up to it (built with that many running requests, each call capped at
+    its ``concurrency``) and for either temperature (it captures both kinds of step graph)."""
+    key = (width if draft is not None else 1, block, concurrency if slots is None else None, planner, attention_backend)
     eng = (engines or {}).get(key)
     planner, _, between = planner.partition(":")  # "auto:3": the planner with verify widths between (graphs)
     if eng is None:
@@ -79,18 +82,21 @@ def measure(
                 draft,
                 width,
                 context_length=4096,
-                max_running_requests=concurrency,
+                max_running_requests=slots or concurrency,
                 block_verification=block,
-                max_total_tokens=max(65536, concurrency * 2048),
+                max_total_tokens=max(65536, (slots or concurrency) * 2048),
                 speculative_planner=planner,
                 speculative_planner_widths=between or None,
                 attention_backend=attention_backend,
                 # a level runs one temperature: that kind's step graphs only (half the captures)
-                **{"graph_sampling": "greedy" if temperature == 0 else "sampled", **(engine_kw or {})},
+                **{"graph_sampling": "both" if slots else "greedy" if temperature == 0 else "sampled", **(engine_kw or {})},
             ),
         )
         if engines is not None:
             engines[key] = eng
+    if concurrency > eng.cfg.max_running_requests:
+        raise ValueError(f"concurrency {concurrency} above the engine's {eng.cfg.max_running_requests} slots")
+    eng.scheduler.max_running = concurrency
     eng.stats = EngineStats(accepted_by_position=[0] * max(eng.width - 1, 0))
     n = len(prompt_ids) if requests_per_slot is None else min(len(prompt_ids), requests_per_slot * concurrency)
     n = max(concurrency, n)
@@ -190,6 +196,8 @@ def run(
     engine_kw: dict | None = None,
     deadline: float | None = None,
     planner_widths: str | None = None,
+    slots: int | None = None,
+    engines: dict | None = None,
 ) -> list[ConcurrencyRow]:
     """Every config at every concurrency, ``rounds`` times. Round k runs the configs in an order
     rotated by k (target included), so no config is always the first after a change: on a lent,
@@ -203,7 +211,13 @@ def run(
     ``deadline`` (a ``time.time()``): no round after a level's first starts past it, and no level
     starts with less time left than the last level took. Why: on the H200 a call's c=128 level
     started 3.6 min before the script's deadline, ran past the call's limit, and its 4 minutes of
-    device time came back with nothing (docs/gpu_runs.md, twenty-sixth session)."""
+    device time came back with nothing (docs/gpu_runs.md, twenty-sixth session).
+    ``slots`` (at least every concurrency): one engine per config for all levels, kept in ``engines``
+    (pass the same dict to another call, at another temperature, to keep them there too), its
+    planner restarted at each level. Why: building the engines (graph capture) took most of a level's
+    time on the H200, each level building its own (docs/benchmarks.md, fortieth session)."""
+    if slots is not None and slots < max(concurrencies):
+        raise ValueError(f"slots {slots} below the largest concurrency {max(concurrencies)}")
     ids = [render(target.tokenizer, p) for p in prompts]
     configs = []
     for a in attention_backends:
@@ -223,7 +237,12 @@ def run(
         if deadline is not None and rows and deadline - t_level < level_s:
             break
         done: dict[str, list[ConcurrencyRow]] = {name: [] for name, *_ in configs}
-        engines: dict = {}  # this level's engines, dropped before the next level builds its own
+        if slots is None:
+            engines = {}  # this level's engines, dropped before the next level builds its own
+        else:  # shared: each level starts with a planner that knows its start-up profile only
+            engines = {} if engines is None else engines
+            for eng in engines.values():
+                eng.restart_planner()
         # An untimed pass of every config at this level first: on the H200 the first run of each
         # (concurrency, width) shape set was 2-3x slower than the next ones (15 vs 36 tok/s for the
         # target at c=1; the token rows, which ran before the block rows of the same width, took
@@ -244,6 +263,7 @@ def run(
                 planner=p,
                 attention_backend=a,
                 engine_kw=engine_kw,
+                slots=slots,
             )
         for k in range(rounds):
             if k and deadline is not None and time.time() > deadline:
@@ -264,6 +284,7 @@ def run(
                     planner=p,
                     attention_backend=a,
                     engine_kw=engine_kw,
+                    slots=slots,
                 )
                 row.round_slots, slot = [slot], slot + 1
                 done[name].append(row)

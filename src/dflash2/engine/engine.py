@@ -526,9 +526,14 @@ class LLMEngine:
         sps.append(SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_p=0.95, seed=1))
         sps = [sp for sp in sps if self.cfg.admits(sp)][:n]
         self.generate([ids] * len(sps), sps)
-        p = self.planner  # what it was given at start-up (the profile, the widths), nothing it learnt
-        self.planner = Planner(p.width, p.cfg, profile=p.profile, widths=p.widths, trim_widths=p.trim_widths)
+        self.restart_planner()
         self.stats = self._new_stats()
+
+    def restart_planner(self) -> None:
+        """A planner with what this one was given at start-up (the profile, the widths) and nothing it
+        learnt (step costs, acceptance): as after a fresh start, without capturing again."""
+        p = self.planner
+        self.planner = Planner(p.width, p.cfg, profile=p.profile, widths=p.widths, trim_widths=p.trim_widths)
         self._ahead = None
 
     # ---- one step ---------------------------------------------------------------------------
