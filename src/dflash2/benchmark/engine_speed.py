@@ -89,7 +89,10 @@ def measure(
                 speculative_planner_widths=between or None,
                 attention_backend=attention_backend,
                 # a level runs one temperature: that kind's step graphs only (half the captures)
-                **{"graph_sampling": "both" if slots else "greedy" if temperature == 0 else "sampled", **(engine_kw or {})},
+                **{
+                    "graph_sampling": "both" if slots else "greedy" if temperature == 0 else "sampled",
+                    **(engine_kw or {}),
+                },
             ),
         )
         if engines is not None:
