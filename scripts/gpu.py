@@ -1951,42 +1951,48 @@ def stage_shape(args) -> None:
         (OUT / "shape.json").write_text(json.dumps(report, indent=1))
         return
     prompts = gsm8k_test_prompts(ROOT / "work" / "gsm8k_test.jsonl", 512)
+    temps = [float(t) for t in (args.shape_temperatures or str(args.speed_temperature)).split(",")]
     for rate in [float(a) for a in args.acceptances.split(",")]:
-        key, t1 = f"a{rate}", time.time()
+        shared: dict = {}  # --shared-engines: this rate's engines, for every level and temperature
+        for temp in temps:
+            key, t1 = f"a{rate}" + (f"_t{temp}" if len(temps) > 1 else ""), time.time()
 
-        def keep(rows, key=key, t1=t1):
-            report["speed"][key] = [r.__dict__ for r in rows]
-            report["seconds"][key] = round(time.time() - t1, 1)
-            (OUT / "shape.json").write_text(json.dumps(report, indent=1))
-            log(f"{key}: {report['seconds'][key]} s so far")
+            def keep(rows, key=key, t1=t1):
+                report["speed"][key] = [r.__dict__ for r in rows]
+                report["seconds"][key] = round(time.time() - t1, 1)
+                (OUT / "shape.json").write_text(json.dumps(report, indent=1))
+                log(f"{key}: {report['seconds'][key]} s so far")
 
-        rows = engine_speed.run(
-            target,
-            draft,
-            prompts,
-            [int(w) for w in args.speed_widths.split(",")],
-            args.speed_verifiers.split(","),
-            [int(c) for c in args.concurrency.split(",")],
-            args.graph_tokens,
-            args.speed_temperature,
-            requests_per_slot=args.requests_per_slot,
-            rounds=args.rounds,
-            adaptive=args.adaptive,
-            planner_widths=args.planner_widths,
-            on_level=keep,
-            slots=max(int(c) for c in args.concurrency.split(",")) if args.shared_engines else None,
-            engine_kw={
-                "synthetic_acceptance": (rate,),
-                "enable_mixed_chunk": {"auto": None, "on": True, "off": False}[args.mixed_chunk],
-            },
-            deadline=T_START + args.deadline_s,
-        )
-        print(
-            f"{args.target_shape}, synthetic acceptance {rate}, T={args.speed_temperature}\n"
-            + engine_speed.table(rows),
-            flush=True,
-        )
-        keep(rows)
+            if time.time() > T_START + args.deadline_s - 60:
+                log(f"skip {key}: deadline")
+                continue
+            rows = engine_speed.run(
+                target,
+                draft,
+                prompts,
+                [int(w) for w in args.speed_widths.split(",")],
+                args.speed_verifiers.split(",")[: 1 if temp == 0 else None],
+                [int(c) for c in args.concurrency.split(",")],
+                args.graph_tokens,
+                temp,
+                requests_per_slot=args.requests_per_slot,
+                rounds=args.rounds,
+                adaptive=args.adaptive,
+                planner_widths=args.planner_widths,
+                on_level=keep,
+                slots=max(int(c) for c in args.concurrency.split(",")) if args.shared_engines else None,
+                engines=shared,
+                engine_kw={
+                    "synthetic_acceptance": (rate,),
+                    "enable_mixed_chunk": {"auto": None, "on": True, "off": False}[args.mixed_chunk],
+                },
+                deadline=T_START + args.deadline_s,
+            )
+            print(
+                f"{args.target_shape}, synthetic acceptance {rate}, T={temp}\n" + engine_speed.table(rows),
+                flush=True,
+            )
+            keep(rows)
 
 
 def main() -> None:
@@ -2113,6 +2119,11 @@ def main() -> None:
         type=float,
         default=0.0,
         help="speed rows' temperature (bench speed samples with top-p 0.95)",
+    )
+    ap.add_argument(
+        "--shape-temperatures",
+        default=None,
+        help="shape: e.g. 1,0 (default: --speed-temperature); T=0 runs one verifier",
     )
     ap.add_argument("--train-seconds", type=float, default=0)
     ap.add_argument("--steps", type=int, default=6000)
