@@ -718,8 +718,9 @@ def stage_engine(args) -> None:
         return [r.output_ids for r in reqs], type(eng.runner).__name__, eng.runner.use_graph
 
     if not args.check_prompts:  # speed only
-        target, draft, _ = models("bfloat16")
-        report["draft_compile_check"] = draft_compile_check(target, draft)
+        target, draft, _ = models("bfloat16" if args.graph_device == "cuda" else "float32")
+        if args.graph_device == "cuda":  # (the check draws on the GPU)
+            report["draft_compile_check"] = draft_compile_check(target, draft)
     for dtype in ("float32", "bfloat16")[2 - args.check_dtypes :] if args.check_prompts else ():
         target, draft, _ = models(dtype)
         ids = [render(target.tokenizer, p) for p in prompts[: args.check_prompts]]
@@ -763,7 +764,6 @@ def stage_engine(args) -> None:
                 del runner
         log(f"graph replay ms: {json.dumps(times)}")
         report["breakdown_ms"] = times
-    concs = [int(c) for c in args.concurrency.split(",")]
     sets = {"gsm8k": prompts}
     if "heldout" in args.prompt_sets:  # the recipe's held-out conversations (no drafter trained on them)
         from dflash2.training.sources import load_prompts
@@ -783,25 +783,15 @@ def stage_engine(args) -> None:
             report["speed"][key] = [r.__dict__ for r in rows]
             (OUT / "engine.json").write_text(json.dumps(report, indent=1))
 
-        rows = engine_speed.run(
+        rows = speed_rows(
+            args,
             target,
             draft,
             set_prompts,
-            [int(w) for w in args.speed_widths.split(",")],
-            # at T=0 every verifier is the greedy one (the same graphs): one row, not one per verifier
-            args.speed_verifiers.split(",")[: 1 if temp == 0 else None],
-            concs,
-            args.graph_tokens,
             temp,
-            requests_per_slot=args.requests_per_slot,
-            rounds=args.rounds,
-            adaptive=args.adaptive,
-            planner_widths=args.planner_widths,
+            keep,
+            shared,
             attention_backends=tuple(args.attention_backends.split(",")),
-            on_level=keep,
-            deadline=T_START + args.deadline_s,
-            slots=max(concs) if args.shared_engines else None,
-            engines=shared,
         )
         print(f"engine, CUDA graphs, bf16, {set_name}, T={temp}\n" + engine_speed.table(rows), flush=True)
         keep(rows)
@@ -1906,6 +1896,34 @@ def stage_attn(args) -> None:
         (OUT / "attn.json").write_text(json.dumps(report, indent=1))
 
 
+def speed_rows(args, target, draft, prompts, temp: float, keep, shared: dict, **kw):
+    """``engine_speed.run`` with the speed flags: widths, verifiers (one at T=0: every verifier is
+    the greedy one there, the same graphs), concurrencies, rounds, planner rows, the call's deadline;
+    ``shared`` keeps the engines across calls under ``--shared-engines``."""
+    from dflash2.benchmark import engine_speed
+
+    concs = [int(c) for c in args.concurrency.split(",")]
+    return engine_speed.run(
+        target,
+        draft,
+        prompts,
+        [int(w) for w in args.speed_widths.split(",")],
+        args.speed_verifiers.split(",")[: 1 if temp == 0 else None],
+        concs,
+        args.graph_tokens,
+        temp,
+        requests_per_slot=args.requests_per_slot,
+        rounds=args.rounds,
+        adaptive=args.adaptive,
+        planner_widths=args.planner_widths,
+        on_level=keep,
+        deadline=T_START + args.deadline_s,
+        slots=max(concs) if args.shared_engines else None,
+        engines=shared,
+        **kw,
+    )
+
+
 def stage_shape(args) -> None:
     """Engine speed on a random-weight target of a real shape (``--target-shape``) with the published
     drafter architecture at its size, at each ``--acceptances`` rate (synthetic: the verifier accepts
@@ -1966,27 +1984,18 @@ def stage_shape(args) -> None:
             if time.time() > T_START + args.deadline_s - 60:
                 log(f"skip {key}: deadline")
                 continue
-            rows = engine_speed.run(
+            rows = speed_rows(
+                args,
                 target,
                 draft,
                 prompts,
-                [int(w) for w in args.speed_widths.split(",")],
-                args.speed_verifiers.split(",")[: 1 if temp == 0 else None],
-                [int(c) for c in args.concurrency.split(",")],
-                args.graph_tokens,
                 temp,
-                requests_per_slot=args.requests_per_slot,
-                rounds=args.rounds,
-                adaptive=args.adaptive,
-                planner_widths=args.planner_widths,
-                on_level=keep,
-                slots=max(int(c) for c in args.concurrency.split(",")) if args.shared_engines else None,
-                engines=shared,
+                keep,
+                shared,
                 engine_kw={
                     "synthetic_acceptance": (rate,),
                     "enable_mixed_chunk": {"auto": None, "on": True, "off": False}[args.mixed_chunk],
                 },
-                deadline=T_START + args.deadline_s,
             )
             print(
                 f"{args.target_shape}, synthetic acceptance {rate}, T={temp}\n" + engine_speed.table(rows),
