@@ -769,7 +769,7 @@ def stage_engine(args) -> None:
         from dflash2.training.sources import load_prompts
 
         sets["heldout"] = [p.messages for p in load_prompts(ROOT / "work" / "recipe" / "heldout_prompts.jsonl")]
-    shared: dict = {}  # --shared-engines: one engine per config for every level, set and temperature
+    shared = shared_engines(args)  # one engine per runner for every level, set, temperature and planner row
     for (set_name, set_prompts), temp in [
         (kv, float(t)) for kv in sets.items() if kv[0] in args.prompt_sets.split(",")
         for t in args.graph_temperatures.split(",")
@@ -1896,10 +1896,19 @@ def stage_attn(args) -> None:
         (OUT / "attn.json").write_text(json.dumps(report, indent=1))
 
 
-def speed_rows(args, target, draft, prompts, temp: float, keep, shared: dict, **kw):
+def shared_engines(args):
+    """``--shared-engines``: what ``engine_speed.run`` keeps across levels and calls; else None."""
+    from dflash2.benchmark import engine_speed
+
+    if not args.shared_engines:
+        return None
+    return engine_speed.SharedEngines(engine_speed.build_planner(args.adaptive, args.planner_widths))
+
+
+def speed_rows(args, target, draft, prompts, temp: float, keep, shared, **kw):
     """``engine_speed.run`` with the speed flags: widths, verifiers (one at T=0: every verifier is
     the greedy one there, the same graphs), concurrencies, rounds, planner rows, the call's deadline;
-    ``shared`` keeps the engines across calls under ``--shared-engines``."""
+    ``shared`` (:func:`shared_engines`) keeps the engines across calls under ``--shared-engines``."""
     from dflash2.benchmark import engine_speed
 
     concs = [int(c) for c in args.concurrency.split(",")]
@@ -1919,7 +1928,7 @@ def speed_rows(args, target, draft, prompts, temp: float, keep, shared: dict, **
         on_level=keep,
         deadline=T_START + args.deadline_s,
         slots=max(concs) if args.shared_engines else None,
-        engines=shared,
+        shared=shared,
         **kw,
     )
 
@@ -1971,7 +1980,7 @@ def stage_shape(args) -> None:
     prompts = gsm8k_test_prompts(ROOT / "work" / "gsm8k_test.jsonl", 512)
     temps = [float(t) for t in (args.shape_temperatures or str(args.speed_temperature)).split(",")]
     for rate in [float(a) for a in args.acceptances.split(",")]:
-        shared: dict = {}  # --shared-engines: this rate's engines, for every level and temperature
+        shared = shared_engines(args)  # this rate's engines, for every level and temperature
         for temp in temps:
             key, t1 = f"a{rate}" + (f"_t{temp}" if len(temps) > 1 else ""), time.time()
 

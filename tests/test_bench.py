@@ -133,30 +133,31 @@ def test_engine_speed_shares_engines_across_levels_and_temperatures(monkeypatch)
 
     t = TargetModel(build("llama"), layer_ids=[0, 2])
     draft = random_draft(t).draft
-    built, planners = [], []
+    built = []
     real = es.LLMEngine
 
     def counting(*a, **kw):
-        eng = real(*a, **kw)
-        built.append(eng)
-        restart = eng.restart_planner
-
-        def restarted():
-            planners.append(eng)
-            restart()
-
-        eng.restart_planner = restarted
-        return eng
+        built.append(real(*a, **kw))
+        return built[-1]
 
     monkeypatch.setattr(es, "LLMEngine", counting)
     monkeypatch.setattr(es, "render", lambda tok, p: torch.randint(3, 96, (6,)).tolist())
-    engines: dict = {}
+    from dflash2.engine.planner import Planner
+
+    fresh, restarted = Planner.fresh, []
+    monkeypatch.setattr(Planner, "fresh", lambda self: restarted.append(self) or fresh(self))
+    shared = es.SharedEngines("auto")
     args = (t, draft, ["a", "b", "c"], [5], ["block"], [1, 2], 6)
-    rows = es.run(*args, 0.0, requests_per_slot=2, slots=2, engines=engines, adaptive=True, warmup=False)
-    rows += es.run(*args, 1.0, requests_per_slot=2, slots=2, engines=engines, adaptive=True, warmup=False)
-    assert len(built) == 3 and len(engines) == 3  # target, fixed w5, auto: once each for 4 levels
+    rows = es.run(*args, 0.0, requests_per_slot=2, slots=2, shared=shared, adaptive=True, warmup=False)
+    rows += es.run(*args, 1.0, requests_per_slot=2, slots=2, shared=shared, adaptive=True, warmup=False)
+    # the target, and one engine with the planner's graphs for both w5 rows (fixed, auto): for 4 levels
+    assert len(built) == 2 and len(shared.engines) == 2
     assert all(e.cfg.max_running_requests == 2 and e.cfg.graph_sampling == "both" for e in built)
-    assert len(planners) == 3 * 3  # every level after the first restarts each engine's planner
+    assert [p.cfg.mode for p in shared.planners.values()] == ["off", "auto", "off"]  # target, build, fixed
+    assert [r.mean_width for r in rows if r.config == "dflash2 w=5 block"] == [5.0] * 4  # fixed: always w5
+    assert len(restarted) == 3 * 3  # every level after the first starts each planner afresh
+    with pytest.raises(ValueError, match="built for planner 'auto', this run needs 'auto:3'"):
+        es.run(*args, 0.0, slots=2, shared=shared, adaptive=True, planner_widths="3")
     for r in rows:  # each level held its own concurrency: every step of c=1 a batch of one
         buckets = {int(k.split("x")[0]) for k in r.step_ms_by_shape}
         assert r.requests == (2 if r.concurrency == 1 else 3)

@@ -269,6 +269,36 @@ def test_planner_widths_are_checked_where_they_are_read(llama):
         ),
     )  # fmt: skip
     assert eng.runner.verify_widths == (1, 3, 5) and eng.planner.widths == (1, 3, 5)
+    # another planner over the same graphs sees the widths an engine built with its flags would have
+    auto, off = eng.planner_for("auto"), eng.planner_for("off")
+    assert (auto.adapts, auto.widths, off.adapts, off.widths) == (True, (1, 5), False, (5,))
+    assert eng.planner_for("auto", "3").widths == (1, 3, 5)
+    with pytest.raises(ValueError, match=r"no verify graphs at width\(s\) \[2\]"):
+        eng.planner_for("auto", "2,3")
+
+
+def test_planners_swapped_into_one_engine_keep_greedy_output(llama):
+    """The benchmarks' shared engine (engine_speed's ``SharedEngines``): the fixed width, the planner
+    and the planner with a width between, swapped into one engine built with the union of their
+    graphs, each run as it would on an engine of its own (widths it may pick, output = target)."""
+    t, d = llama
+    cfg = EngineConfig(
+        max_running_requests=3, num_draft_tokens=W, context_length=128, runner="static",
+        speculative_planner="auto", speculative_planner_widths="3",
+    )  # fmt: skip
+    eng = LLMEngine(t, d, cfg)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB, (int(torch.randint(3, 12, (), generator=g)),), generator=g) for _ in range(3)]
+    for mode, between, allowed in (("off", None, {W}), ("auto", None, {1, W}), ("auto", "3", {1, 3, W})):
+        eng.use_planner(eng.planner_for(mode, between))
+        eng.stats = eng._new_stats()
+        reqs = [Request(p.tolist(), SamplingParams(max_new_tokens=20)) for p in prompts]
+        for r in reqs:
+            eng.add_request(r)
+        eng.run_until_done()
+        assert set(eng.stats.steps_by_width) <= allowed, (mode, eng.stats.steps_by_width)
+        for p, r in zip(prompts, reqs):
+            assert r.output_ids == hf_greedy(t, p, 20)
 
 
 def test_acceptance_is_estimated_per_position():

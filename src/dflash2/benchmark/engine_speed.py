@@ -48,6 +48,28 @@ class ConcurrencyRow:
     overlap_ms_per_step: float = 0.0  # what the prefills run inside steps added to a step's wall
 
 
+def build_planner(adaptive: bool, planner_widths: str | None) -> str:
+    """The planner that :func:`run`'s shared engines are built with: graphs for every planner row."""
+    if not adaptive:
+        return "off"
+    return "auto" + (f":{planner_widths}" if planner_widths else "")
+
+
+@dataclass
+class SharedEngines:
+    """What :func:`run` keeps across levels and calls with ``slots``: one engine per runner (width,
+    verifier, attention backend), captured with ``build_planner``'s graphs (the union of the rows'),
+    and one planner per row config, swapped into its engine for the row."""
+
+    build_planner: str = "off"
+    engines: dict = field(default_factory=dict)
+    planners: dict = field(default_factory=dict)
+
+    def restart(self) -> None:
+        """Every planner as it started (its start-up profile, nothing learnt), for a new level."""
+        self.planners = {k: p.fresh() for k, p in self.planners.items()}
+
+
 def measure(
     target,
     draft,
@@ -64,16 +86,24 @@ def measure(
     attention_backend: str = "auto",
     engine_kw: dict | None = None,
     slots: int | None = None,
+    shared: SharedEngines | None = None,
 ) -> ConcurrencyRow:
     """One config at one concurrency. ``engines``: engines kept across calls, one per config and
     concurrency, so the warm-up pass and the timed rounds run on the same engine, as a warmed-up
-    server would (on CUDA an engine captures its graphs when it is built). ``slots``: one engine per
-    config for every concurrency up to it (built with that many running requests, each call capped at
-    its ``concurrency``) and for either temperature (it captures both kinds of step graph)."""
-    key = (width if draft is not None else 1, block, concurrency if slots is None else None, planner, attention_backend)
+    server would (on CUDA an engine captures its graphs when it is built). ``slots`` and ``shared``
+    (instead of ``engines``): one engine per runner for every concurrency up to ``slots`` (built with
+    that many running requests, each call capped at its ``concurrency``), either temperature (both
+    kinds of step graph) and every planner row (built with ``shared.build_planner``'s graphs, the
+    row's planner swapped in)."""
+    row_planner = planner
+    if shared is not None:
+        engines, key = shared.engines, (width if draft is not None else 1, block, attention_backend)
+        planner = shared.build_planner if draft is not None else "off"
+    else:
+        key = (width if draft is not None else 1, block, concurrency, planner, attention_backend)
     eng = (engines or {}).get(key)
-    planner, _, between = planner.partition(":")  # "auto:3": the planner with verify widths between (graphs)
     if eng is None:
+        mode, _, between = planner.partition(":")  # "auto:3": the planner with verify widths between (graphs)
         eng = LLMEngine(
             target,
             draft,
@@ -85,18 +115,25 @@ def measure(
                 max_running_requests=slots or concurrency,
                 block_verification=block,
                 max_total_tokens=max(65536, (slots or concurrency) * 2048),
-                speculative_planner=planner,
+                speculative_planner=mode,
                 speculative_planner_widths=between or None,
                 attention_backend=attention_backend,
                 # a level runs one temperature: that kind's step graphs only (half the captures)
                 **{
-                    "graph_sampling": "both" if slots else "greedy" if temperature == 0 else "sampled",
+                    "graph_sampling": "both" if shared else "greedy" if temperature == 0 else "sampled",
                     **(engine_kw or {}),
                 },
             ),
         )
         if engines is not None:
             engines[key] = eng
+        if shared is not None:
+            shared.planners[(key, planner)] = eng.planner
+    if shared is not None and draft is not None:
+        if (key, row_planner) not in shared.planners:
+            mode, _, between = row_planner.partition(":")
+            shared.planners[(key, row_planner)] = eng.planner_for(mode, between or None)
+        eng.use_planner(shared.planners[(key, row_planner)])
     if concurrency > eng.cfg.max_running_requests:
         raise ValueError(f"concurrency {concurrency} above the engine's {eng.cfg.max_running_requests} slots")
     eng.scheduler.max_running = concurrency
@@ -200,7 +237,7 @@ def run(
     deadline: float | None = None,
     planner_widths: str | None = None,
     slots: int | None = None,
-    engines: dict | None = None,
+    shared: SharedEngines | None = None,
 ) -> list[ConcurrencyRow]:
     """Every config at every concurrency, ``rounds`` times. Round k runs the configs in an order
     rotated by k (target included), so no config is always the first after a change: on a lent,
@@ -215,13 +252,19 @@ def run(
     starts with less time left than the last level took. Why: on the H200 a call's c=128 level
     started 3.6 min before the script's deadline, ran past the call's limit, and its 4 minutes of
     device time came back with nothing (docs/gpu_runs.md, twenty-sixth session).
-    ``slots`` (at least every concurrency): one engine per config for all levels, kept in ``engines``
-    (pass the same dict to another call, at another temperature, to keep them there too), its
-    planner restarted at each level. Why: building the engines (graph capture) took most of a level's
-    time on the H200, each level building its own (docs/benchmarks.md, fortieth session)."""
+    ``slots`` (at least every concurrency): one engine per runner for all levels and planner rows,
+    kept in ``shared`` (pass it to another call, at another temperature, to keep them there too),
+    the planners restarted at each level. Why: building the engines (graph capture) took most of a
+    level's time on the H200, each level and row building its own (docs/benchmarks.md, fortieth
+    session)."""
     if slots is not None and slots < max(concurrencies):
         raise ValueError(f"slots {slots} below the largest concurrency {max(concurrencies)}")
     ids = [render(target.tokenizer, p) for p in prompts]
+    if slots is not None:  # the engines capture the graphs of every planner row
+        build = build_planner(adaptive, planner_widths)
+        shared = shared or SharedEngines(build)
+        if shared.build_planner != build:
+            raise ValueError(f"shared engines built for planner {shared.build_planner!r}, this run needs {build!r}")
     configs = []
     for a in attention_backends:
         sfx = f" [{a}]" if len(attention_backends) > 1 else ""
@@ -240,12 +283,9 @@ def run(
         if deadline is not None and rows and deadline - t_level < level_s:
             break
         done: dict[str, list[ConcurrencyRow]] = {name: [] for name, *_ in configs}
-        if slots is None:
-            engines = {}  # this level's engines, dropped before the next level builds its own
-        else:  # shared: each level starts with a planner that knows its start-up profile only
-            engines = {} if engines is None else engines
-            for eng in engines.values():
-                eng.restart_planner()
+        engines: dict = {}  # this level's engines, dropped before the next level builds its own (no slots)
+        if shared is not None:  # each level starts with planners that know their start-up profile only
+            shared.restart()
         # An untimed pass of every config at this level first: on the H200 the first run of each
         # (concurrency, width) shape set was 2-3x slower than the next ones (15 vs 36 tok/s for the
         # target at c=1; the token rows, which ran before the block rows of the same width, took
@@ -267,6 +307,7 @@ def run(
                 attention_backend=a,
                 engine_kw=engine_kw,
                 slots=slots,
+                shared=shared,
             )
         for k in range(rounds):
             if k and deadline is not None and time.time() > deadline:
@@ -288,6 +329,7 @@ def run(
                     attention_backend=a,
                     engine_kw=engine_kw,
                     slots=slots,
+                    shared=shared,
                 )
                 row.round_slots, slot = [slot], slot + 1
                 done[name].append(row)

@@ -532,9 +532,28 @@ class LLMEngine:
     def restart_planner(self) -> None:
         """A planner with what this one was given at start-up (the profile, the widths) and nothing it
         learnt (step costs, acceptance): as after a fresh start, without capturing again."""
+        self.use_planner(self.planner.fresh())
+
+    def use_planner(self, planner: Planner) -> None:
+        """Swap in another planner (:meth:`planner_for`, or one set aside): between generations only."""
+        self.planner, self._ahead = planner, None
+
+    def planner_for(self, mode: str, widths: str | None = None) -> Planner:
+        """A fresh planner of ``mode`` choosing among ``widths`` between 1 and the full one, as an
+        engine built with those flags would have, over this engine's runner and start-up profile. Why:
+        the benchmarks run the fixed width, the planner and the planner with widths between on one
+        engine (one capture of the union of their graphs) instead of one engine each."""
         p = self.planner
-        self.planner = Planner(p.width, p.cfg, profile=p.profile, widths=p.widths, trim_widths=p.trim_widths)
-        self._ahead = None
+        cfg = dataclasses.replace(p.cfg, mode=mode, widths=parse_widths(widths, self.width))
+        new = Planner(self.width, cfg, profile=p.profile, trim_widths=p.trim_widths)
+        runs = self.runner.widths
+        if isinstance(self.runner, GraphModelRunner):  # the graphs such an engine would have captured
+            missing = sorted(set(cfg.widths) - set(runs))
+            if missing:
+                raise ValueError(f"this engine has no verify graphs at width(s) {missing}")
+            runs = tuple(w for w in runs if w == self.width or new.can_pick(w))
+        new.widths = runs
+        return new
 
     # ---- one step ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -371,6 +371,10 @@ class Planner:
         )
         self.calibration = ConfidenceCalibration(max(self.width - 1, 1), self.cfg.confidence_decay)
 
+    def fresh(self) -> "Planner":
+        """This planner as it started: its config, start-up profile and widths, nothing it learnt."""
+        return Planner(self.width, self.cfg, profile=self.profile, widths=self.widths, trim_widths=self.trim_widths)
+
     @property
     def adapts(self) -> bool:
         """Whether widths are chosen from costs and acceptance (not fixed, not pinned)."""
