@@ -774,7 +774,8 @@ def stage_engine(args) -> None:
         (kv, float(t)) for kv in sets.items() if kv[0] in args.prompt_sets.split(",")
         for t in args.graph_temperatures.split(",")
     ]:  # fmt: skip
-        if time.time() - T_START > args.deadline_s - 150:
+        # (shared engines: a further set or temperature adds its rows only, no capture)
+        if time.time() - T_START > args.deadline_s - (40 if args.shared_engines else 150):
             log(f"skip {set_name} T={temp}: deadline")
             continue
         key = f"graphs_t{temp}" + ("" if set_name == "gsm8k" else f"_{set_name}")
