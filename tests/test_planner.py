@@ -559,6 +559,16 @@ def test_speculate_new_requests_only_where_drafting_pays():
     p.costs[(4, W)] = 0.030
     p.observe_plain(4, 0.005)  # the target alone measured cheaper than a drafting request's width 1
     assert p.speculate_new(4, 4) is False  # a Python bool: it reaches /generate's JSON meta
+    # a turn of admission, each way, is kept once (not every admission) with what priced it
+    kept = [(d["decision"], d["gain"], d["full"], d["plain"]) for d in p.state()["decisions"]]
+    assert kept == [
+        ("admit drafting", None, [None, "derived"], [None, "derived"]),  # the cold start: nothing priced yet
+        ("admit not drafting", pytest.approx(0.82, abs=0.01), [50.0, "given"], [10.0, "given"]),
+        ("admit drafting", pytest.approx(1.37, abs=0.01), [30.0, "given"], [10.0, "given"]),
+        ("admit not drafting", pytest.approx(1.02, abs=0.01), [40.196, "given"], [10.0, "given"]),
+    ]  # (the last answer, not drafting again with width 0 measured, is no turn)
+    p.costs[(4, W)] = 0.010
+    assert p.speculate_new(4, 4) and p.state()["decisions"][-1]["plain"] == [5.0, 1]  # one step measured
     assert Planner(W, PlannerConfig(mode="off")).speculate_new(64, 64) and not Planner(1).speculate_new(1, 1)
     sched = Planner(W, PlannerConfig(schedule=parse_schedule("8:5", W)))
     assert sched.speculate_new(8, 8) and not sched.speculate_new(9, 12)
@@ -583,6 +593,10 @@ def test_retire_only_after_costs_are_measured_and_drafting_cannot_pay():
     assert not p.retire(4)
     p.costs[(4, W)] = 0.041 / 0.98  # 2% under: stop (for good, so no hysteresis)
     assert p.retire(4)
+    # each stop is kept with what priced it (the state's "decisions")
+    retired = [d for d in p.state()["decisions"] if d["decision"] == "retire"]
+    assert len(retired) == 3 and retired[-1]["bucket"] == 4 and retired[-1]["gain"] == pytest.approx(0.98, abs=0.01)
+    assert retired[-1]["full"][0] == pytest.approx(41 / 0.98, abs=0.01) and retired[-1]["plain"][0] == 10.0
     off = Planner(W, PlannerConfig(mode="off", probe_every=4))
     off.costs = dict(p.costs)
     off.steps = 10

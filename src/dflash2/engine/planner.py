@@ -364,6 +364,11 @@ class Planner:
     _fit: tuple[float, float] | None = None  # eager: (fixed, per token) seconds, see _token_cost
     _fit_sig: tuple[int, float] = (-1, 0.0)  # the costs it was fitted on
     _every_width: tuple[tuple[int, ...] | None, bool] = (None, False)  # (widths, _any_width's answer for them)
+    # the last decisions about drafting at all (a retirement; admission turning drafting or not) with
+    # what they were priced on, for :meth:`state`. Why: on the H200 at 128 requests a stop that the
+    # planner's own later state priced at a 55% loss left no trace of why (docs/benchmarks.md, fortieth session)
+    decisions: list[dict] = field(default_factory=list)
+    _admitting: bool | None = None  # speculate_new's last answer
 
     def __post_init__(self):
         self.counts = AcceptanceCounts(
@@ -545,7 +550,11 @@ class Planner:
         # by the hysteresis: near break-even the target alone is the safe side (on the H200
         # at 8 requests, T=1, an estimated gain of ~1.05 served 0.88x with the fixed width, the
         # tail of a finishing wave and the drafter's prefill upkeep not in the step costs)
-        return gain is None or bool(gain >= 1 + cfg.hysteresis)
+        drafts = gain is None or bool(gain >= 1 + cfg.hysteresis)
+        if drafts != self._admitting:
+            self._admitting = drafts
+            self._note("admit drafting" if drafts else "admit not drafting", bucket, gain)
+        return drafts
 
     def drafting_gain(self, bucket: int, strict: bool = False) -> float | None:
         """Expected tokens/s of the best drafting width at ``bucket`` (every request's acceptance per
@@ -588,7 +597,33 @@ class Planner:
         if 1 in (self.widths or (1,)) and not any(w in (0, 1) for _, w in self.costs):
             return False  # for good, so only once a one-token step has a cost of its own (a probe)
         gain = self.drafting_gain(bucket)
-        return gain is not None and bool(gain < 1)
+        if gain is None or gain >= 1:
+            return False
+        self._note("retire", bucket, gain)
+        return True
+
+    def _note(self, kind: str, bucket: int, gain: float | None, keep: int = 16) -> None:
+        """One entry of :attr:`decisions`: the step, the decision, and what priced it at ``bucket``."""
+
+        def priced(w: int) -> list:  # [ms, how: steps measured here, else "given", "profile" or "derived"]
+            c, key = self.cost(bucket, w), (bucket, w)
+            how = self.samples.get(key) or next(
+                (name for name, d in (("given", self.costs), ("profile", self.profile)) if key in d), "derived"
+            )
+            return [None if c is None else round(1e3 * c, 3), how]
+
+        self.decisions.append(
+            {
+                "step": self.steps,
+                "decision": kind,
+                "bucket": bucket,
+                "gain": None if gain is None else round(gain, 3),
+                "full": priced(self.width),
+                "plain": priced(0) if self.cost(bucket, 0) is not None else priced(1),
+                "rates": [round(float(x), 3) for x in self.counts.prior_rates()],
+            }
+        )
+        del self.decisions[:-keep]
 
     def observe_plain(self, bucket: int, seconds: float | None) -> None:
         """A step of requests that do not draft: the target alone's cost at ``bucket`` (width 0)."""
@@ -799,6 +834,7 @@ class Planner:
             "prior_rates": [round(float(x), 3) for x in self.counts.prior_rates()],
             "confidence_fit": self.calibration.state() if self.calibration.fitted else None,
             "steps": self.steps,
+            "decisions": list(self.decisions),
         }
 
 
