@@ -85,7 +85,8 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
         default=None,
         help="with --speculative-planner auto and CUDA graphs: verify widths between 1 and "
         "--speculative-num-draft-tokens to capture too, for the planner to pick among (e.g. 3 or 2,3; each "
-        "adds a set of step graphs at start-up; eager runners run every width already)",
+        "adds a set of step graphs at start-up; eager runners run every width already; on the H200 width 3 "
+        "beside 5 gained nothing: docs/benchmarks.md, fortieth session)",
     )
     ap.add_argument(
         "--speculative-width-schedule",
