@@ -1913,6 +1913,9 @@ def speed_rows(args, target, draft, prompts, temp: float, keep, shared, **kw):
     from dflash2.benchmark import engine_speed
 
     concs = [int(c) for c in args.concurrency.split(",")]
+    if args.repeat_prompts:  # a small set (held-out: 179) cycled, so each level holds its load for longer
+        need = args.requests_per_slot * max(concs)
+        prompts = (list(prompts) * -(-need // len(prompts)))[:need]
     return engine_speed.run(
         target,
         draft,
@@ -2125,6 +2128,12 @@ def main() -> None:
     ap.add_argument("--adaptive", action="store_true", help="engine: each DFlash2 row again with the planner on")
     ap.add_argument(
         "--planner-widths", default=None, help="engine, with --adaptive: a third row, the planner with these widths too"
+    )
+    ap.add_argument(
+        "--repeat-prompts",
+        action="store_true",
+        help="engine, shape: cycle the prompt set up to --requests-per-slot x the largest concurrency (each "
+        "request its own seed), so a level is not over after one wave of a small set",
     )
     ap.add_argument(
         "--shared-engines",
