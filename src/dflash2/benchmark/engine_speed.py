@@ -62,6 +62,7 @@ class SharedEngines:
     and one planner per row config, swapped into its engine for the row."""
 
     build_planner: str = "off"
+    slots: int = 0  # the running requests each engine is built for (run's ``slots``, on first use)
     engines: dict = field(default_factory=dict)
     planners: dict = field(default_factory=dict)
 
@@ -85,16 +86,15 @@ def measure(
     planner: str = "off",
     attention_backend: str = "auto",
     engine_kw: dict | None = None,
-    slots: int | None = None,
     shared: SharedEngines | None = None,
 ) -> ConcurrencyRow:
     """One config at one concurrency. ``engines``: engines kept across calls, one per config and
     concurrency, so the warm-up pass and the timed rounds run on the same engine, as a warmed-up
-    server would (on CUDA an engine captures its graphs when it is built). ``slots`` and ``shared``
-    (instead of ``engines``): one engine per runner for every concurrency up to ``slots`` (built with
-    that many running requests, each call capped at its ``concurrency``), either temperature (both
-    kinds of step graph) and every planner row (built with ``shared.build_planner``'s graphs, the
-    row's planner swapped in)."""
+    server would (on CUDA an engine captures its graphs when it is built). ``shared`` (instead of
+    ``engines``): one engine per runner for every concurrency up to ``shared.slots`` (built with that
+    many running requests, each call capped at its ``concurrency``), either temperature (both kinds of
+    step graph) and every planner row (built with ``shared.build_planner``'s graphs, the row's planner
+    swapped in)."""
     row_planner = planner
     if shared is not None:
         engines, key = shared.engines, (width if draft is not None else 1, block, attention_backend)
@@ -102,6 +102,7 @@ def measure(
     else:
         key = (width if draft is not None else 1, block, concurrency, planner, attention_backend)
     eng = (engines or {}).get(key)
+    slots = (shared.slots if shared is not None else 0) or concurrency
     if eng is None:
         mode, _, between = planner.partition(":")  # "auto:3": the planner with verify widths between (graphs)
         eng = LLMEngine(
@@ -112,9 +113,9 @@ def measure(
                 draft,
                 width,
                 context_length=4096,
-                max_running_requests=slots or concurrency,
+                max_running_requests=slots,
                 block_verification=block,
-                max_total_tokens=max(65536, (slots or concurrency) * 2048),
+                max_total_tokens=max(65536, slots * 2048),
                 speculative_planner=mode,
                 speculative_planner_widths=between or None,
                 attention_backend=attention_backend,
@@ -263,6 +264,7 @@ def run(
     if slots is not None:  # the engines capture the graphs of every planner row
         build = build_planner(adaptive, planner_widths)
         shared = shared or SharedEngines(build)
+        shared.slots = shared.slots or slots
         if shared.build_planner != build:
             raise ValueError(f"shared engines built for planner {shared.build_planner!r}, this run needs {build!r}")
     configs = []
@@ -306,7 +308,6 @@ def run(
                 planner=p,
                 attention_backend=a,
                 engine_kw=engine_kw,
-                slots=slots,
                 shared=shared,
             )
         for k in range(rounds):
@@ -328,7 +329,6 @@ def run(
                     planner=p,
                     attention_backend=a,
                     engine_kw=engine_kw,
-                    slots=slots,
                     shared=shared,
                 )
                 row.round_slots, slot = [slot], slot + 1
