@@ -201,7 +201,8 @@ def test_torchrun_generate_equals_the_target_alone(models):
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "dflash2.cli", *args, "--tp", "2"
     )
     # (the ranks' own stderr comes first, torchrun's report of a failed rank last)
-    assert alone.returncode == 0 and split.returncode == 0, split.stderr[:4000] + "\n...\n" + split.stderr[-1500:]
+    why = f"stdout:\n{split.stdout[-1500:]}\nstderr:\n{split.stderr[:4000]}\n...\n{split.stderr[-1500:]}"
+    assert alone.returncode == 0 and split.returncode == 0, why
     want = json.loads(alone.stdout.strip().splitlines()[-1])["token_ids"]
     lines = [ln for ln in split.stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1  # rank 0 alone prints
