@@ -41,6 +41,7 @@ class TracingProposer:
     @torch.no_grad()
     def propose(self, anchor, anchor_pos, num, sampling, uniforms):
         from dflash2.model.context_cache import draft_block
+        from dflash2.sampling import CandidateQ
 
         p = self.inner
         dev = p.lm_head_weight.device
@@ -74,7 +75,7 @@ class TracingProposer:
             "top": full.tolist(),
         }
         tokens = sel_out.tokens[0]
-        return tokens, None if sampling.greedy else sel_out.dense_q(p.vocab_size)[0]
+        return tokens, None if sampling.greedy else CandidateQ(sel_out.cand_ids[0], sel_out.q_draft[0])
 
 
 def main() -> None:

@@ -58,7 +58,7 @@ def test_greedy_equals_target(target, width):
 
 
 def test_proposer_q_draft_by_temperature():
-    """T=0: no dense q (the loop rebuilds a one-hot); T>0: the selector's sampled distribution, so a
+    """T=0: no q (the loop rebuilds a one-hot); T>0: the selector's sampled distribution, so a
     sampled request never gets the greedy shortcut (it would stay lossless but accept less)."""
     t = TargetModel(build("llama", seed=3), layer_ids=[0, 2])
     prop = random_draft(t, 2)
@@ -68,8 +68,9 @@ def test_proposer_q_draft_by_temperature():
     u = torch.rand(4, generator=torch.Generator().manual_seed(1))
     toks, q = prop.propose(int(prompt[-1]), 9, 4, SamplingParams(), u)
     assert q is None and toks.shape == (4,)
-    toks, q = prop.propose(int(prompt[-1]), 9, 4, SamplingParams(temperature=1.0), u)
-    assert q.shape == (4, VOCAB)
+    toks, cq = prop.propose(int(prompt[-1]), 9, 4, SamplingParams(temperature=1.0), u)
+    q = cq.dense(VOCAB)
+    assert q.shape == (4, VOCAB) and cq.ids.shape == cq.probs.shape == (4, prop.draft.candidate_selector.top_k)
     torch.testing.assert_close(q.sum(-1), torch.ones(4))
     assert (q > 0).sum(-1).min() > 1  # a spread distribution, not a one-hot
     assert (q[torch.arange(4), toks] > 0).all()

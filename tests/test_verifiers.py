@@ -4,9 +4,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dflash2.sampling import SamplingParams
+from dflash2.sampling import CandidateQ, SamplingParams
 from dflash2.verification import block_verify, greedy_verify, probs_from_logits, sample_from_probs, token_level_verify
-from dflash2.verification.verifiers import _assemble, _first_false
+from dflash2.verification.verifiers import _assemble, _first_false, _q_parts
 
 V, G = 4, 2  # vocabulary and drafts per step
 
@@ -102,6 +102,77 @@ def test_chi_square_catches_wrong_residual(seed):
     assert chi_pvalue(samples, target, 3) < 1e-6
 
 
+class TopTwoLM(ToyLM):
+    """A draft that proposes from its two likeliest tokens only (as the selector from its candidates)."""
+
+    def dist(self, pos, prev):
+        d = super().dist(pos, prev)
+        d = torch.zeros_like(d).scatter_(-1, d.topk(2, -1).indices, d.topk(2, -1).values)
+        return d / d.sum(-1, keepdim=True)
+
+
+def as_candidates(verifier):
+    """``verifier`` given ``q_draft`` as a :class:`CandidateQ` of each row's two nonzero entries."""
+
+    def run(drafts, q_draft, p_target, u, e):
+        top = q_draft.topk(2, -1)
+        return verifier(drafts, CandidateQ(top.indices, top.values), p_target, u, e)
+
+    return run
+
+
+def block_verify_without_off_mass(drafts, q_draft, p_target, u, e):
+    """Block verification whose residual mass forgets p's mass off the candidates (a bug to catch)."""
+    import dflash2.verification.verifiers as vf
+
+    real = vf._residual_mass
+    vf._residual_mass = lambda P, p, ids, q: (P[..., None] * p.gather(-1, ids) - q).clamp_min(0).sum(-1)
+    try:
+        return vf.block_verify(drafts, q_draft, p_target, u, e)
+    finally:
+        vf._residual_mass = real
+
+
+@pytest.mark.parametrize("verifier", [token_level_verify, block_verify])
+def test_candidate_q_draft_follows_target(seed, verifier):
+    """q_draft as the selector gives it (values at a few ids): the emitted sequences still follow the
+    target; a residual mass that forgets p off the candidates does not (the test can fail)."""
+    target, draft = ToyLM(seed, 1.5), TopTwoLM(seed + 1, 1.5)
+    samples = run_chain(as_candidates(verifier), target, draft, 40000, 3, torch.Generator().manual_seed(seed))
+    assert chi_pvalue(samples, target, 3) > 1e-4
+    if verifier is block_verify:
+        wrong = as_candidates(block_verify_without_off_mass)
+        samples = run_chain(wrong, target, draft, 40000, 3, torch.Generator().manual_seed(seed))
+        assert chi_pvalue(samples, target, 3) < 1e-6
+
+
+@pytest.mark.parametrize("verifier", [token_level_verify, block_verify])
+@pytest.mark.parametrize("g", [0, 1, 4])
+def test_candidate_q_draft_equals_dense(verifier, g):
+    """The same draws through a CandidateQ and through its dense rows: the same tokens, row for row,
+    with broken rows (NaN, negative) among them."""
+    gen = torch.Generator().manual_seed(g)
+    B, Vb, k = 512, 40, 5
+    logits = torch.randn(B, g + 1, Vb, generator=gen) * 2
+    logits[:64] *= 4  # sharp rows, drafted at their argmax below: whole blocks pass
+    p = probs_from_logits(logits, 1.0, -1, 0.9)
+    score = torch.rand(B, g, Vb, generator=gen)
+    score[:64].scatter_(-1, p[:64, :g].argmax(-1, keepdim=True), 2.0)
+    ids = score.argsort(-1, descending=True)[..., :k]  # distinct in a row
+    vals = torch.softmax(torch.randn(B, g, k, generator=gen) * 2, -1)
+    if g:
+        vals[3, 0, 1], vals[7, g - 1, 0] = float("nan"), -0.5
+    q = CandidateQ(ids, vals)
+    drafts = ids.gather(-1, torch.randint(0, k, (B, g, 1), generator=gen)).squeeze(-1)
+    drafts[:64] = ids[:64, :, 0]
+    u, e = torch.rand(B, g, generator=gen), torch.rand(B, generator=gen)
+    sparse, dense = verifier(drafts, q, p, u, e), verifier(drafts, q.dense(Vb), p, u, e)
+    assert torch.equal(sparse.num_accepted, dense.num_accepted) and torch.equal(sparse.tokens, dense.tokens)
+    if g == 4:
+        assert sparse.num_accepted.max() == g and sparse.num_accepted.min() == 0
+    assert _q_parts(q)[0] is ids and _q_parts(q.dense(Vb))[0] is None
+
+
 def test_block_accepts_at_least_token_level(seed):
     gen = torch.Generator().manual_seed(seed)
     B, g = 30000, 4
@@ -174,7 +245,7 @@ def test_truncation_from_the_top_entries_equals_the_full_sort(monkeypatch, fast_
     import dflash2.sampling as lg
 
     g = torch.Generator().manual_seed(fast_top)
-    V = 256  # with k up to 8, fast_top 2-16 runs the 8x stage (64-128 < V), then full sorts
+    V = 2048  # with k up to 8: fast_top 2 and 4 run stages of 8, 128 and 1,024, 16 of 16 and 256; then full sorts
     logits = torch.cat([torch.randn(40, V, generator=g) * s for s in (0.3, 1.0, 4.0)])
     logits[:20] = (logits[:20] * 2).round()  # many exact ties
     R = logits.shape[0]
@@ -185,7 +256,13 @@ def test_truncation_from_the_top_entries_equals_the_full_sort(monkeypatch, fast_
     monkeypatch.setattr(lg, "FAST_TOP", 10**9)
     ref = lg.probs_from_logits(logits, temp, top_k, top_p, min_p)
     monkeypatch.setattr(lg, "FAST_TOP", fast_top)
+    stages, top_kept, full = [], lg._top_kept, lg.truncate_sorted
+    monkeypatch.setattr(lg, "_top_kept", lambda *a: stages.append((a[-1], len(a[0]))) or top_kept(*a))
+    monkeypatch.setattr(lg, "truncate_sorted", lambda P, *a: stages.append(("sort", len(P))) or full(P, *a))
     got = lg.probs_from_logits(logits, temp, top_k, top_p, min_p)
+    want = {2: [8, 128, 1024, "sort"], 4: [8, 128, 1024, "sort"], 16: [16, 256, "sort"], 1024: [1024, "sort"]}
+    assert [n for n, _ in stages] == want[fast_top]  # each stage ran, on fewer rows each time
+    assert all(a[1] > b[1] for a, b in zip(stages, stages[1:])) and stages[0][1] == R
     assert torch.equal(got > 0, ref > 0)
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
     got3 = lg.probs_from_logits(

@@ -88,6 +88,30 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(frozen=True)
+class CandidateQ:
+    """A ``q_draft`` that is zero outside a few tokens: ``probs [B, g, k]`` at the token ids ``ids
+    [B, g, k]`` (distinct within a row). What the DFlash2 selector draws from (its k candidates a slot);
+    the verifiers read it as they read a dense ``q_draft [B, g, V]``, which would be mostly zeros and
+    cost more in its fills and passes than the sampled verify's own work (CPU, 16 rows of width 8:
+    block verification 30 ms dense; docs/benchmarks.md, forty-first session)."""
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+    def head(self, g: int) -> "CandidateQ":
+        """The first ``g`` slots (drafts cut after the walk)."""
+        return CandidateQ(self.ids[:, :g], self.probs[:, :g])
+
+    def to(self, device) -> "CandidateQ":
+        return CandidateQ(self.ids.to(device), self.probs.to(device))
+
+    def dense(self, vocab_size: int) -> torch.Tensor:
+        """``[..., V]``, zero outside the candidates (the reference form)."""
+        out = torch.zeros(*self.probs.shape[:-1], vocab_size, dtype=torch.float32, device=self.probs.device)
+        return out.scatter_(-1, self.ids, self.probs.float())
+
+
 def _col(x, like: torch.Tensor, dtype) -> torch.Tensor:
     """A per-row parameter as a tensor that broadcasts over every trailing dim of ``like``."""
     if isinstance(x, (int, float)):  # a fill on the device, not a host copy (allowed in a CUDA graph)
@@ -96,7 +120,11 @@ def _col(x, like: torch.Tensor, dtype) -> torch.Tensor:
     return t.reshape(tuple(t.shape) + (1,) * (like.dim() - t.dim()))
 
 
-FAST_TOP = 1024  # truncation first tries the top 1024 entries of each row (then 8x that) before sorting all V
+# truncation first tries the top 64 entries of each row, then 16x and 128x that, before sorting all V. Why:
+# a CPU topk costs by its k (128 rows of 49,152: 5.7 ms for 64, 25 ms for 1,024), and SmolLM2's T=1,
+# top-p 0.95 nucleus on held-out chat is under 64 tokens in 50% of steps, under 1,024 in 90%, under
+# 8,192 in all (docs/benchmarks.md, forty-first session)
+FAST_TOP = 64
 
 
 def _drop(sorted_p, k, tp, mp) -> torch.Tensor:
@@ -121,20 +149,41 @@ def truncate_sorted(probs, k, tp, mp) -> torch.Tensor:
     return _truncate(probs, vals, idx, k, tp, mp)
 
 
-def _truncate_top(probs, k, tp, mp, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_truncate` from each row's top ``n`` only (a full sort of a 49k row costs tens of ms on
-    a CPU). A row is exact (``ok``) when its last kept value is above its n-th value: then every
-    token at least as likely as a kept one is among the n, in the order of the full sort."""
-    if n >= probs.shape[-1]:
-        return torch.empty_like(probs), torch.zeros(probs.shape[0], dtype=torch.bool, device=probs.device)
+def _top_kept(probs, k, tp, mp, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_drop` applied to each row's top ``n`` only (a full sort of a 49k row costs tens of ms on
+    a CPU): ``(kept, ids, ok)``, the kept values renormalised there (``[R, n]``, sorted as the full
+    sort sorts, zero where dropped) at their token ids. A row is exact (``ok``) when its last kept value
+    is above its n-th value: then every token at least as likely as a kept one is among the n."""
     vals, idx = probs.topk(n, dim=-1)
     idx, order = idx.sort(dim=-1)  # ties by id, as the stable full sort
     vals, order = vals.gather(-1, order).sort(dim=-1, descending=True, stable=True)
     idx = idx.gather(-1, order)
     keep = ~_drop(vals, k, tp, mp)
+    kept = vals.masked_fill(~keep, 0.0)
     last = vals.gather(-1, keep.sum(-1, keepdim=True) - 1)
-    ok = (last > vals[..., -1:]).squeeze(-1)
-    return torch.zeros_like(probs).scatter_(-1, idx, vals.masked_fill(~keep, 0.0)), ok
+    return kept / kept.sum(-1, keepdim=True), idx, (last > vals[..., -1:]).squeeze(-1)
+
+
+def _truncate_staged(P, K, TP, MP) -> torch.Tensor:
+    """Truncation of rows ``P [R, V]`` from their top FAST_TOP entries, then 16x and 128x that for the
+    rows whose kept set reaches further, then a full sort for the rest; renormalised. Each row's kept
+    values are written once into the output (no dense row a stage)."""
+    R, V = P.shape
+    out = torch.zeros_like(P)
+    todo = torch.arange(R, device=P.device)
+    n = max(FAST_TOP, int(K.max()))
+    for stage in (n, 16 * n, 128 * n):
+        if stage >= V or not len(todo):
+            break
+        sub = (P, K, TP, MP) if len(todo) == R else (P[todo], K[todo], TP[todo], MP[todo])
+        kept, ids, ok = _top_kept(*sub, stage)
+        rows = todo[ok]
+        out.view(-1).scatter_(0, (rows[:, None] * V + ids[ok]).flatten(), kept[ok].flatten())
+        todo = todo[~ok]
+    if len(todo):
+        rest = truncate_sorted(P[todo], K[todo], TP[todo], MP[todo])
+        out[todo] = rest / rest.sum(-1, keepdim=True)
+    return out
 
 
 def probs_from_logits(
@@ -157,7 +206,9 @@ def probs_from_logits(
     V = logits.shape[-1]
     temp = _col(temperature, logits[..., 0], torch.float32).unsqueeze(-1)
     greedy = temp < GREEDY_BELOW
-    probs = torch.softmax(logits / torch.where(greedy, torch.ones_like(temp), temp), dim=-1)
+    if capturable or not bool(((temp == 1) | greedy).all()):  # (a pass over every row: 6 ms at 128 CPU rows)
+        logits = logits / torch.where(greedy, torch.ones_like(temp), temp)
+    probs = torch.softmax(logits, dim=-1)
     k = _col(top_k, logits[..., 0], torch.long).unsqueeze(-1)
     tp = _col(top_p, logits[..., 0], torch.float32).unsqueeze(-1)
     mp = _col(min_p, logits[..., 0], torch.float32).unsqueeze(-1)
@@ -175,30 +226,17 @@ def probs_from_logits(
             from .kernels.truncate import truncate as truncate_rows
 
             out = truncate_rows(P, K, TP, MP)
+            out = out / out.sum(-1, keepdim=True)
         elif capturable:
             out = truncate_sorted(P, K, TP, MP)
+            out = out / out.sum(-1, keepdim=True)
         else:
-            n = min(V, max(FAST_TOP, int(K.max())))
-            out, ok = _truncate_top(P, K, TP, MP, n)
-            # rows whose kept set reaches past the top n: their top 8n, then a full sort. Why the middle
-            # stage: at T=1, top-p 0.95 on held-out chat, 16 of 128 SmolLM2 rows reached past 1,024
-            # and none past 8,192; on the 2-core CPU the 128 rows took 93-102 ms, 56-94 with it
-            for stage in (8 * n, V):
-                if bool(ok.all()):
-                    break
-                bad = (~ok).nonzero().squeeze(-1)
-                Pb, Kb, TPb, MPb = P[bad], K[bad], TP[bad], MP[bad]
-                if stage < V:
-                    ob, okb = _truncate_top(Pb, Kb, TPb, MPb, stage)
-                else:
-                    ob = truncate_sorted(Pb, Kb, TPb, MPb)
-                    okb = torch.ones(len(bad), dtype=torch.bool, device=P.device)
-                out[bad[okb]], ok[bad[okb]] = ob[okb], True
+            out = _truncate_staged(P, K, TP, MP)
         probs = out.reshape(probs.shape)
-        probs = probs / probs.sum(-1, keepdim=True)
-    if capturable or bool(greedy.any()):
-        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy, onehot, probs)
+    if capturable or bool(greedy.any()):  # greedy rows one-hot at the argmax (one pass, not a blend)
+        top = logits.argmax(-1, keepdim=True)
+        at_top = torch.where(greedy, torch.ones_like(temp), probs.gather(-1, top))
+        probs = probs.masked_fill(greedy, 0.0).scatter_(-1, top, at_top)
     return probs
 
 

@@ -27,6 +27,7 @@ import torch
 from ..kernels.live_attention import use_triton
 from ..model.attention import paged_context
 from ..model.context_cache import block_hidden
+from ..sampling import CandidateQ
 from ..target import TargetModel
 from ..target.static_llama import Rows, StaticTarget, unsupported_reason
 from . import steps
@@ -283,7 +284,10 @@ class GraphModelRunner:
             torch.full((num_slots, g), 0.5, **f32),
             torch.full((num_slots,), 0.5, **f32),
         )
-        self.q_draft = torch.zeros(num_slots, g, V, **f32)
+        # q_draft over the selector's candidates (a [slots, g, V] buffer: 176 MB at 128 slots, width 8)
+        k = draft.candidate_selector.top_k if draft is not None else 1
+        self.q_ids = torch.zeros(num_slots, g, k, **lng)
+        self.q_probs = torch.zeros(num_slots, g, k, **f32)
         # min_tokens: per slot its stop ids and the output tokens still owed (0: nothing suppressed)
         self.eos = steps.eos_ids(target)
         self.stop_mask = torch.zeros(num_slots, V, dtype=torch.bool, device=dev)
@@ -614,7 +618,7 @@ class GraphModelRunner:
         res = steps.accept(
             logits,
             self.ids[:B, 1:w],
-            self.q_draft[:B, : w - 1],
+            CandidateQ(self.q_ids[:B, : w - 1], self.q_probs[:B, : w - 1]),
             self._rows(B, greedy, w - 1),
             self.block,
             capturable=True,
@@ -646,7 +650,8 @@ class GraphModelRunner:
             d, hidden, self.ids[:B, 0], head, self._rows(B, greedy), capturable=True, candidates=cands
         )
         if q is not None:
-            self.q_draft[:B].copy_(q)
+            self.q_ids[:B].copy_(q.ids)
+            self.q_probs[:B].copy_(q.probs)
         self.ids[:B, 1:].copy_(tokens)  # the verify graph reads them there
 
     # ---- the runner's methods -----------------------------------------------------------------

@@ -20,6 +20,7 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..model.context_cache import DraftContextCache, append_many, draft_block
+from ..sampling import CandidateQ
 from . import steps
 from ..target import TargetModel
 from .block_manager import BlockManager
@@ -181,12 +182,13 @@ class ModelRunner:
         if w > 1:
             drafts, q_draft, conf = self.propose(reqs, anchors, sampling, w, confidence=trim is not None)
             if conf is not None and trim is not None and (w := trim(conf)) < drafts.shape[1] + 1:
-                drafts, q_draft = drafts[:, : w - 1], None if q_draft is None else q_draft[:, : w - 1]
+                drafts, q_draft = drafts[:, : w - 1], None if q_draft is None else q_draft.head(w - 1)
                 sampling = None if sampling is None else sampling.trimmed(w - 1)
         else:
             drafts, q_draft = anchors[:, None][:, :0], None
             if sampling is not None:
-                q_draft = torch.empty(len(reqs), 0, self.target.lm_head_weight.shape[0], device=anchors.device)
+                empty = torch.empty(len(reqs), 0, 1, device=anchors.device)
+                q_draft = CandidateQ(empty.long(), empty)
         t1 = time.perf_counter()
         blocks = torch.cat([anchors[:, None], drafts], dim=1)
         logits, feats, kv = self._forward(reqs, blocks)
@@ -283,7 +285,7 @@ class ModelRunner:
         sampling: BatchSampling | None,
         width: int,
         confidence: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray | None]:
+    ) -> tuple[torch.Tensor, CandidateQ | None, np.ndarray | None]:
         """Draft tokens ``[B, width-1]``, ``q_draft`` (None for a greedy batch) and, with ``confidence``,
         each slot's (``scored_candidates``, read to the host): a draft block of ``width`` positions (a
         shorter block than the drafter's is still a valid proposal; with ``is_causal`` its slots are

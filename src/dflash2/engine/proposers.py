@@ -9,14 +9,14 @@ import torch
 
 from ..model import DFlash2DraftModel
 from ..model.context_cache import DraftContextCache, draft_block
-from ..sampling import SamplingParams
+from ..sampling import CandidateQ, SamplingParams
 
 
 class Proposer(Protocol):
     def begin(self, features: torch.Tensor) -> None: ...  # the prompt's features, from position 0
     def propose(
         self, anchor: int, anchor_pos: int, num: int, sampling: SamplingParams, uniforms: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # q_draft None: one-hot
+    ) -> tuple[torch.Tensor, torch.Tensor | CandidateQ | None]: ...  # q_draft [num, V] or [num, k]; None: one-hot
     def commit(self, features: torch.Tensor, start: int) -> None: ...  # accepted rows from ``start``
 
 
@@ -60,5 +60,5 @@ class DFlashProposer:
             all_greedy=sampling.greedy,
         )
         # at temperature 0 q is one-hot at each token (the decode loop rebuilds it if a non-greedy
-        # verifier asks): skip building a [g, V] tensor each step
-        return sel.tokens[0], None if sampling.greedy else sel.dense_q(self.vocab_size)[0]
+        # verifier asks)
+        return sel.tokens[0], None if sampling.greedy else CandidateQ(sel.cand_ids[0], sel.q_draft[0])

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..sampling import SamplingParams
+from ..sampling import CandidateQ, SamplingParams
 from ..target import TargetModel
 from .steps import (
     BatchSampling,
@@ -68,13 +68,17 @@ def speculative_generate(
             drafts, q_draft = proposer.propose(out[-1], anchor_pos, g, sampling, u)
             drafts = drafts.to(dev)
         if rows is not None and q_draft is None:  # a greedy proposer: q is one-hot at each draft token
-            q_draft = torch.nn.functional.one_hot(drafts, target.lm_head_weight.shape[0]).float()
+            q_draft = CandidateQ(drafts[:, None], torch.ones(len(drafts), 1, device=dev))
+        if isinstance(q_draft, CandidateQ):  # one request's rows as a batch of one
+            q_draft = CandidateQ(q_draft.ids[None], q_draft.probs[None]).to(dev)
+        elif q_draft is not None:
+            q_draft = q_draft[None].to(dev)
         t2 = time.perf_counter()
         logits, feats = target.forward(state, torch.cat([torch.tensor([out[-1]], device=dev), drafts]))
         result = accept(
             logits[None],
             drafts[None],
-            None if q_draft is None else q_draft[None].to(dev),
+            q_draft,
             rows,
             block=method == "block",
         )

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..model.context_cache import greedy_walk
-from ..sampling import SamplingParams, probs_from_logits, sample_from_probs
+from ..sampling import CandidateQ, SamplingParams, probs_from_logits, sample_from_probs
 from ..verification import VerifyResult, block_verify, greedy_verify, synthetic_verify, token_level_verify
 
 VERIFY_METHODS = ("greedy", "token", "block")
@@ -381,8 +381,8 @@ def propose(
     capturable: bool = False,
     candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
-    """Draft tokens ``[B, g]`` from the block's hidden states, and ``q_draft [B, g, V]`` (None when
-    the batch is greedy: argmax acceptance does not read it). ``candidates``: the slots' top-k, where
+    """Draft tokens ``[B, g]`` from the block's hidden states, and ``q_draft`` over the selector's
+    candidates (None when the batch is greedy: argmax acceptance does not read it). ``candidates``: the slots' top-k, where
     the caller took them already (``scored_candidates``)."""
     cands = candidates if candidates is not None else draft.candidates(hidden, lm_head_weight)
     if sampling is None:
@@ -397,7 +397,7 @@ def propose(
         all_greedy=False,
         capturable=capturable,
     )
-    return sel.tokens, sel.dense_q(lm_head_weight.shape[0])
+    return sel.tokens, sel.candidate_q()
 
 
 def synthetic_rates(rates: tuple[float, ...] | None, width: int, device) -> torch.Tensor | None:
@@ -412,7 +412,7 @@ def synthetic_rates(rates: tuple[float, ...] | None, width: int, device) -> torc
 def accept(
     logits: torch.Tensor,
     drafts: torch.Tensor,
-    q_draft: torch.Tensor | None,
+    q_draft: torch.Tensor | CandidateQ | None,
     sampling: BatchSampling | None,
     block: bool,
     capturable: bool = False,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..sampling import probs_from_logits, sample_from_probs
+from ..sampling import CandidateQ, probs_from_logits, sample_from_probs
 
 
 @dataclass
@@ -21,11 +21,9 @@ class SelectorOutput:
     cand_ids: torch.Tensor  # [B, g, k] candidate token ids per slot
     q_draft: torch.Tensor  # [B, g, k] the distribution each token was chosen from (one-hot when greedy)
 
-    def dense_q(self, vocab_size: int) -> torch.Tensor:
-        """``q_draft`` scattered over the vocabulary: ``[B, g, V]``, zero outside the candidates."""
-        B, g, _ = self.q_draft.shape
-        out = torch.zeros(B, g, vocab_size, dtype=torch.float32, device=self.q_draft.device)
-        return out.scatter_(-1, self.cand_ids, self.q_draft.float())
+    def candidate_q(self) -> CandidateQ:
+        """``q_draft`` as the verifiers read it: values at the candidates, zero elsewhere."""
+        return CandidateQ(self.cand_ids, self.q_draft)
 
 
 class CandidateSelector(nn.Module):

@@ -1,7 +1,8 @@
-from ..sampling import SamplingParams, probs_from_logits, sample_from_probs
+from ..sampling import CandidateQ, SamplingParams, probs_from_logits, sample_from_probs
 from .verifiers import VerifyResult, block_verify, greedy_verify, synthetic_verify, token_level_verify
 
 __all__ = [
+    "CandidateQ",
     "SamplingParams",
     "probs_from_logits",
     "sample_from_probs",

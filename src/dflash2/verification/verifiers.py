@@ -1,7 +1,9 @@
 """Lossless verifiers as pure functions over ``(draft_tokens, q_draft, p_target, uniforms)``.
 
 Shapes: ``draft_tokens [B, g]``; ``q_draft [B, g, V]`` (row i: the draft distribution that
-token i was drawn from); ``p_target [B, g+1, V]`` (row i: the processed target distribution
+token i was drawn from), or the same as a :class:`~dflash2.sampling.CandidateQ` (values at a few
+token ids a row, zero elsewhere: what the DFlash2 selector draws from, read without building the
+``[B, g, V]`` rows); ``p_target [B, g+1, V]`` (row i: the processed target distribution
 for the token after ``i`` drafts, so row g is the bonus row). Each verifier returns how many
 drafts each row accepts and the tokens it emits: the accepted drafts, then one target token.
 
@@ -16,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import sample_from_probs
+from ..sampling import CandidateQ, sample_from_probs
+
+QDraft = torch.Tensor | CandidateQ
 
 
 @dataclass
@@ -47,6 +51,41 @@ def _bad_q(q_draft: torch.Tensor) -> torch.Tensor:
     return ~(torch.isfinite(q_draft) & (q_draft >= 0)).all(dim=-1)
 
 
+def _q_parts(q_draft: QDraft) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(ids, values)``: ``ids`` None for a dense ``q_draft``."""
+    if isinstance(q_draft, CandidateQ):
+        return q_draft.ids, q_draft.probs.float()
+    return None, q_draft.float()
+
+
+def _q_at(ids: torch.Tensor | None, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``[B, g]``: each row's q at its token ``x [B, g]``."""
+    if ids is None:
+        return q.gather(-1, x[..., None]).squeeze(-1)
+    return (q * (ids == x[..., None])).sum(-1)
+
+
+def _q_row(ids: torch.Tensor | None, q: torch.Tensor, at: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[B, V]``: row ``at[b]`` of each q, dense; a zero row at ``at == g`` (after a full block)."""
+    B, g = q.shape[:2]
+    rows = torch.arange(B, device=q.device)
+    vals = torch.cat([q, q.new_zeros(B, 1, q.shape[-1])], dim=1)[rows, at]
+    if ids is None:
+        return vals
+    cols = torch.cat([ids, ids.new_zeros(B, 1, ids.shape[-1])], dim=1)[rows, at]
+    return torch.zeros(B, vocab_size, dtype=q.dtype, device=q.device).scatter_(-1, cols, vals)
+
+
+def _residual_mass(P: torch.Tensor, p: torch.Tensor, ids: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """``sum_v max(P p(v) - q(v), 0)`` per row (``P [B, g]``, ``p [B, g, V]``): with candidates, q is 0
+    off them, where the terms add up to ``P`` times p's mass there."""
+    if ids is None:
+        return (P[..., None] * p - q).clamp_min(0).sum(-1)
+    p_c = p.gather(-1, ids)
+    off = (p.sum(-1) - p_c.sum(-1)).clamp_min(0)
+    return P * off + (P[..., None] * p_c - q).clamp_min(0).sum(-1)
+
+
 def greedy_verify(draft_tokens: torch.Tensor, p_target: torch.Tensor) -> VerifyResult:
     """Accept the longest prefix with ``x_i == argmax p_{i-1}``; bonus = argmax of the next row.
     ``p_target`` may be raw logits: only its argmax is read."""
@@ -63,7 +102,7 @@ def _residual_sample(p_rows: torch.Tensor, residual: torch.Tensor, uniforms: tor
 
 def token_level_verify(
     draft_tokens: torch.Tensor,
-    q_draft: torch.Tensor,
+    q_draft: QDraft,
     p_target: torch.Tensor,
     accept_uniforms: torch.Tensor,
     emit_uniforms: torch.Tensor,
@@ -73,16 +112,14 @@ def token_level_verify(
     A bad ``q_draft`` row (see :func:`_bad_q`) stops acceptance there and emits from ``p_i``: exact,
     since position ``i`` then ignores the draft entirely."""
     B, g = draft_tokens.shape
-    x = draft_tokens.unsqueeze(-1)
-    px = p_target[:, :g].gather(-1, x).squeeze(-1).float()
-    qx = q_draft.gather(-1, x).squeeze(-1).float()
-    good = ~_bad_q(q_draft)
+    ids, q = _q_parts(q_draft)
+    px = p_target[:, :g].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).float()
+    qx = _q_at(ids, q, draft_tokens)
+    good = ~_bad_q(q)
     n = _first_false((accept_uniforms * qx < px) & good)
     rows = torch.arange(B, device=draft_tokens.device)
     p_n = p_target[rows, n].float()
-    q_n = torch.cat([q_draft, q_draft.new_zeros(B, 1, p_target.shape[-1])], dim=1)[
-        rows, n
-    ].float()  # zero after a full block
+    q_n = _q_row(ids, q, n, p_target.shape[-1])  # zero after a full block
     stopped_by_bad = torch.cat([~good, good.new_zeros(B, 1)], dim=1)[rows, n]
     q_n = torch.where(stopped_by_bad[:, None], torch.zeros_like(q_n), q_n)
     bonus = _residual_sample(p_n, (p_n - q_n).clamp_min(0), emit_uniforms)
@@ -91,7 +128,7 @@ def token_level_verify(
 
 def block_verify(
     draft_tokens: torch.Tensor,
-    q_draft: torch.Tensor,
+    q_draft: QDraft,
     p_target: torch.Tensor,
     accept_uniforms: torch.Tensor,
     emit_uniforms: torch.Tensor,
@@ -101,19 +138,19 @@ def block_verify(
     accepts nothing and emits from ``p_0`` (exact when, as with broken weights, the badness does not
     depend on which tokens were drawn)."""
     B, g = draft_tokens.shape
-    x = draft_tokens.unsqueeze(-1)
-    bad_row = _bad_q(q_draft).any(dim=1)
+    ids, q = _q_parts(q_draft)
+    bad_row = _bad_q(q).any(dim=1)
     p_t = p_target.float()
-    q_d = torch.where(bad_row[:, None, None], torch.zeros((), device=p_t.device), q_draft.float())
-    px = p_t[:, :g].gather(-1, x).squeeze(-1)
-    qx = q_d.gather(-1, x).squeeze(-1)
+    q_d = torch.where(bad_row[:, None, None], torch.zeros((), device=p_t.device), q)
+    px = p_t[:, :g].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    qx = _q_at(ids, q_d, draft_tokens)
     ratio = torch.where(qx > 0, px / qx.clamp_min(1e-30), torch.zeros_like(px))
     weights = [torch.ones(B, device=p_t.device)]  # P_0 .. P_g
     for i in range(g):
         weights.append(torch.clamp(weights[-1] * ratio[:, i], max=1.0))
     P = torch.stack(weights, dim=1)  # [B, g+1]
     # R_i for i = 0..g-1 uses rows i of p_target / q_draft (the distributions of token i+1)
-    R = (P[:, :g, None] * p_t[:, :g] - q_d).clamp_min(0).sum(-1)  # [B, g]
+    R = _residual_mass(P[:, :g], p_t[:, :g], ids, q_d)  # [B, g]
     denom = R + 1 - P[:, :g]
     h = torch.where(denom > 0, R / denom.clamp_min(1e-30), torch.ones_like(R))
     h = torch.cat([h[:, 1:], P[:, g:]], dim=1)  # h_1..h_{g-1}, h_g = P_g
@@ -123,7 +160,7 @@ def block_verify(
     tau = torch.where(bad_row, 0, torch.cat([passed * idx, passed.new_zeros(B, 1)], dim=1).amax(dim=1))
     rows = torch.arange(B, device=p_t.device)
     p_next = p_t[rows, tau]
-    q_next = torch.cat([q_d, q_d.new_zeros(B, 1, p_t.shape[-1])], dim=1)[rows, tau]
+    q_next = _q_row(ids, q_d, tau, p_t.shape[-1])
     residual = (P[rows, tau][:, None] * p_next - q_next).clamp_min(0)
     residual = torch.where(((tau == g) | bad_row)[:, None], p_next, residual)
     bonus = _residual_sample(p_next, residual, emit_uniforms)
