@@ -54,9 +54,9 @@ def run(mode: str, temperature: float, prompts: int, running: int, force: str | 
     admissions: list[tuple] = []
     runner_step, planner = eng.runner.step, eng.planner
 
-    def step(reqs, sampling, width=None, overlap=None):
+    def step(reqs, sampling, width=None, **kw):  # (overlap, prefill, trim: the runner's own)
         t = time.perf_counter()
-        out = runner_step(reqs, sampling, width, overlap=overlap)
+        out = runner_step(reqs, sampling, width, **kw)
         ms = round(1e3 * (time.perf_counter() - t - out.overlap_s), 1)
         trace.append((len(reqs), width, sum(r.speculate for r in reqs), ms, list(out.num_accepted)))
         return out

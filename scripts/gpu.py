@@ -1526,8 +1526,53 @@ def stage_sampler(args) -> None:
         log(f"  {key:<36} sort {r['sort_ms']:.3f} ms")
         for kk, kr in r["kernels"].items():
             log(f"    {kk:<18} same rows {kr['identical_rows']}/{r['of']}  {kr['ms']:.3f} ms")
+    report["verify"] = sampled_verify_rows(dev, cuda)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "sampler.json").write_text(json.dumps(report, indent=1))
+
+
+def sampled_verify_rows(dev: str, cuda: bool) -> dict:
+    """The graphs' sampled accept (``steps.accept``, capturable, the truncation kernel where Triton runs)
+    at B rows x 4 drafts, T=1 top-p 0.95, block and token-level, with q_draft as the selector's
+    candidates (CandidateQ, since the forty-first session) against the same q as dense [B, g, V] rows
+    (the form before): the same draws, rows with identical tokens, ms per replay of each; and the
+    greedy accept (argmax) beside them, the floor a sampled step's extra work adds to."""
+    import torch
+    from dflash2.engine import steps
+    from dflash2.engine.graph_runner import Replay
+    from dflash2.engine.steps import BatchSampling
+    from dflash2.kernels.live_attention import use_triton
+    from dflash2.sampling import CandidateQ, SamplingParams
+
+    g = torch.Generator(device=dev).manual_seed(1)
+    out: dict = {}
+    for B in (64, 128) if cuda else (4,):
+        V, gd, k = (49152 if cuda else 3000), 4, 8
+        logits = (torch.randn(B, gd + 1, V, device=dev, generator=g) * 3).to(torch.bfloat16).float()
+        cand = logits[:, :gd].topk(k, -1).indices  # candidates near the target's own top
+        q = CandidateQ(cand, torch.softmax(torch.randn(B, gd, k, device=dev, generator=g), -1))
+        dense = q.dense(V)
+        rows = BatchSampling.of([SamplingParams(temperature=1.0, top_p=0.95)] * B, torch.rand(B, 2 * gd + 1), dev)
+        kw = dict(capturable=True, truncate_kernel=use_triton(torch.device(dev)))
+        n = 50 if cuda else 1
+        greedy = replay_ms(Replay(partial(steps.accept, logits, cand[..., 0], None, None, False), cuda), n)
+        for block in (True, False):
+            res = {}
+
+            def acc(qd, key):
+                res[key] = steps.accept(logits, cand[..., 0], qd, rows, block, **kw).tokens
+
+            ms = {
+                key: replay_ms(Replay(partial(acc, qd, key), cuda), n)
+                for key, qd in (("candidates", q), ("dense", dense))
+            }
+            same = int((res["candidates"] == res["dense"]).all(-1).sum())
+            name = f"B{B} g{gd} {'block' if block else 'token'}"
+            out[name] = {"ms_candidates": round(ms["candidates"], 4), "ms_dense": round(ms["dense"], 4),
+                         "ms_greedy": round(greedy, 4), "identical_rows": same, "of": B}  # fmt: skip
+            log(f"  {name:<18} accept: candidates {ms['candidates']:.3f} ms, dense q {ms['dense']:.3f} ms, greedy "
+                f"{greedy:.3f} ms; identical rows {same}/{B}")  # fmt: skip
+    return out
 
 
 def stage_hardening(args) -> None:
