@@ -1526,9 +1526,47 @@ def stage_sampler(args) -> None:
         log(f"  {key:<36} sort {r['sort_ms']:.3f} ms")
         for kk, kr in r["kernels"].items():
             log(f"    {kk:<18} same rows {kr['identical_rows']}/{r['of']}  {kr['ms']:.3f} ms")
+    report["fused"] = fused_sampler_rows(dev, cuda)
     report["verify"] = sampled_verify_rows(dev, cuda)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "sampler.json").write_text(json.dumps(report, indent=1))
+
+
+def fused_sampler_rows(dev: str, cuda: bool) -> dict:
+    """kernels/truncate.fused_probs (temperature, softmax, truncation, renormalisation and greedy rows in
+    one kernel, forty-first session, not on yet) against the graphs' path it would replace
+    (probs_from_logits capturable with the truncation kernel): R rows of bf16 logits (64 and 128 requests x
+    5 positions), T=1 top-p 0.95 with every fourth row greedy; rows kept identically, the largest
+    difference, ms per replay of each."""
+    import torch
+    from dflash2.engine.graph_runner import Replay
+    from dflash2.kernels.truncate import fused_probs
+    from dflash2.sampling import GREEDY_BELOW, probs_from_logits
+
+    g = torch.Generator(device=dev).manual_seed(2)
+    out: dict = {}
+    for R in (320, 640) if cuda else (8,):
+        V = 49152 if cuda else 3000
+        logits = (torch.randn(R, V, device=dev, generator=g) * 3).to(torch.bfloat16)
+        T = torch.where(torch.arange(R, device=dev) % 4 == 0, 0.0, 1.0)
+        k, tp, mp = torch.full((R,), -1, device=dev), torch.full((R,), 0.95, device=dev), torch.zeros(R, device=dev)
+        res = {}
+
+        def unfused():
+            res["unfused"] = probs_from_logits(logits, T, k, tp, mp, capturable=True, kernel="truncate")
+
+        def fused():
+            res["fused"] = fused_probs(logits, T[:, None], k[:, None], tp[:, None], mp[:, None], GREEDY_BELOW)
+
+        n = 50 if cuda else 1
+        ms = {name: replay_ms(Replay(fn, cuda), n) for name, fn in (("unfused", unfused), ("fused", fused))}
+        same = int(((res["fused"] > 0) == (res["unfused"] > 0)).all(-1).sum())
+        diff = float((res["fused"] - res["unfused"]).abs().max())
+        out[f"R{R}"] = {"ms_unfused": round(ms["unfused"], 4), "ms_fused": round(ms["fused"], 4),
+                        "same_kept_rows": same, "of": R, "max_abs_diff": diff}  # fmt: skip
+        log(f"  fused sampler R{R}: unfused {ms['unfused']:.3f} ms, fused {ms['fused']:.3f} ms; same kept rows "
+            f"{same}/{R}, max |diff| {diff:.2e}")  # fmt: skip
+    return out
 
 
 def sampled_verify_rows(dev: str, cuda: bool) -> dict:
@@ -1553,7 +1591,7 @@ def sampled_verify_rows(dev: str, cuda: bool) -> dict:
         q = CandidateQ(cand, torch.softmax(torch.randn(B, gd, k, device=dev, generator=g), -1))
         dense = q.dense(V)
         rows = BatchSampling.of([SamplingParams(temperature=1.0, top_p=0.95)] * B, torch.rand(B, 2 * gd + 1), dev)
-        kw = dict(capturable=True, truncate_kernel=use_triton(torch.device(dev)))
+        kw = dict(capturable=True, kernel="truncate" if use_triton(torch.device(dev)) else None)
         n = 50 if cuda else 1
         greedy = replay_ms(Replay(partial(steps.accept, logits, cand[..., 0], None, None, False), cuda), n)
         for block in (True, False):

@@ -193,15 +193,28 @@ def probs_from_logits(
     top_p=1.0,
     min_p=0.0,
     capturable: bool = False,
-    truncate_kernel: bool = False,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Rows of ``logits [..., V]`` -> processed probabilities (float32). Parameters are scalars
     or tensors over the leading dims (e.g. one value per request). ``capturable``: no read of a
     device value on the host, so a CUDA graph can hold it: truncation sorts whole rows (the exact
     reference the top-``FAST_TOP`` shortcut falls back to), and runs whenever a Python scalar asks for
     it or any of ``top_k`` / ``top_p`` / ``min_p`` is a tensor (per-row values, read on the device);
-    the greedy blend always runs. ``truncate_kernel`` (with ``capturable``): the sort-free Triton
-    truncation (:mod:`dflash2.kernels.truncate`) instead of the full sort."""
+    the greedy blend always runs. ``kernel`` (with ``capturable``): "truncate", the sort-free Triton
+    truncation (:mod:`dflash2.kernels.truncate`) instead of the full sort; "fused", the whole of this
+    function in one Triton kernel (:func:`~dflash2.kernels.truncate.fused_probs`)."""
+    if capturable and kernel == "fused":
+        from .kernels.truncate import fused_probs
+
+        lead, V, f32 = logits.shape[:-1], logits.shape[-1], torch.float32
+
+        def per_row(x, dtype) -> torch.Tensor:  # one value a row, [R, 1]
+            return _col(x, logits[..., 0], dtype).expand(lead).reshape(-1, 1)
+
+        temp, k, tp, mp = (
+            per_row(x, dt) for x, dt in zip((temperature, top_k, top_p, min_p), (f32, torch.long, f32, f32))
+        )
+        return fused_probs(logits.reshape(-1, V), temp, k, tp, mp, GREEDY_BELOW).reshape(*lead, V)
     logits = logits.float()
     V = logits.shape[-1]
     temp = _col(temperature, logits[..., 0], torch.float32).unsqueeze(-1)
@@ -222,7 +235,7 @@ def probs_from_logits(
         rows = probs.shape[:-1] + (1,)
         P = probs.reshape(-1, V)
         K, TP, MP = (x.expand(rows).reshape(-1, 1) for x in (k, tp, mp))
-        if capturable and truncate_kernel:
+        if capturable and kernel == "truncate":
             from .kernels.truncate import truncate as truncate_rows
 
             out = truncate_rows(P, K, TP, MP)

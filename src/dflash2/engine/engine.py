@@ -132,8 +132,10 @@ class EngineConfig:
             raise ValueError(f"KV budget {self.max_total_tokens} tokens is smaller than one page")
         if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
             raise ValueError(f"--chunked-prefill-size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
-        if self.sampler_backend not in ("auto", "sort", "triton"):
-            raise ValueError(f"--sampler-backend must be auto, sort or triton, got {self.sampler_backend!r}")
+        if self.sampler_backend not in ("auto", "sort", "triton", "triton-fused"):
+            raise ValueError(
+                f"--sampler-backend must be auto, sort, triton or triton-fused, got {self.sampler_backend!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
@@ -295,8 +297,10 @@ class LLMEngine:
                     f"{per_pos * max_len / 2**30:.1f} GiB ({free / 2**30:.1f} free); lower --context-length"
                 )
                 static = False
-        if not static and cfg.sampler_backend == "triton":
-            raise ValueError("--sampler-backend triton: the kernel serves the static-slot runner's graphs only")
+        if not static and cfg.sampler_backend in ("triton", "triton-fused"):
+            raise ValueError(
+                f"--sampler-backend {cfg.sampler_backend}: the kernel serves the static-slot runner's graphs only"
+            )
         if not static and cfg.enable_mixed_chunk:
             raise ValueError(
                 "--enable-mixed-chunk: the static-slot runner only (a dense Llama/Qwen/Mistral target on "
@@ -797,7 +801,7 @@ class LLMEngine:
             gens = [r.generator for r in reqs]
             if any(g is None for g in gens):
                 raise RuntimeError("a request reached prefill without its generator")
-            kernel = getattr(self.runner, "truncate_kernel", False)  # the decode graphs' truncation
+            kernel = getattr(self.runner, "kernel", None)  # the decode graphs' sampler kernel
             toks = first_tokens(rows, [r.sampling for r in reqs], gens, stops, kernel)  # type: ignore[arg-type]
         except Exception as e:
             if len(done) == 1:

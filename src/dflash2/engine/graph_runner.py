@@ -221,14 +221,18 @@ class GraphModelRunner:
         self.block = block_verification
         self.synthetic = steps.synthetic_rates(synthetic_acceptance, width, target.device)  # benchmarks only
         self.clock = steps.OverlapClock(target.device)
-        # sampled verify's truncation in the graph: "sort" (every row sorted) or "triton" (sort-free
-        # kernel); auto: the kernel on CUDA. Both keep the same set but at a top-p boundary within
-        # rounding of the sums (3 of 320 rows on the H200), so one engine uses one for every width
+        # sampled verify's truncation in the graph: "sort" (every row sorted), "triton" (sort-free
+        # kernel) or "triton-fused" (the whole processing in one kernel); auto: triton on CUDA. They keep
+        # the same set but at a top-p boundary within rounding of the sums (3 of 320 rows on the H200),
+        # so one engine uses one for every width
         if sampler == "auto":
             sampler = "triton" if target.device.type == "cuda" and use_triton(target.device) else "sort"
-        if sampler not in ("sort", "triton") or (sampler == "triton" and not use_triton(target.device)):
-            raise ValueError(f"--sampler-backend {sampler!r}: auto, sort, or triton where Triton runs (CUDA)")
-        self.truncate_kernel = sampler == "triton"
+        kernels = {"sort": None, "triton": "truncate", "triton-fused": "fused"}
+        if sampler not in kernels or (sampler != "sort" and not use_triton(target.device)):
+            raise ValueError(
+                f"--sampler-backend {sampler!r}: auto, sort, or triton / triton-fused where Triton runs (CUDA)"
+            )
+        self.kernel = kernels[sampler]
         # the target's attention: the live kernel where Triton runs it (CUDA), else the masked SDPA
         attention = attention or ("live" if target.device.type == "cuda" and use_triton(target.device) else "sdpa")
         if attention == "live" and not use_triton(target.device):
@@ -623,7 +627,7 @@ class GraphModelRunner:
             self.block,
             capturable=True,
             synthetic=None if self.synthetic is None else self.synthetic[: w - 1],
-            truncate_kernel=self.truncate_kernel,
+            kernel=self.kernel,
         )
         out["rows"] = steps.result_rows(res)
         out["logits"] = logits  # read after the replay only when a request asks for logprobs

@@ -66,15 +66,15 @@ def first_tokens(
     samplings: list[SamplingParams],
     gens: list[torch.Generator],
     stops: list[list[int] | None],
-    truncate_kernel: bool = False,
+    kernel: str | None = None,
     sync_free: bool | None = None,
 ) -> torch.Tensor:
     """:func:`first_token` of every row of ``logits [R, V]`` at once: one processing of the rows
     and one host read (the caller's), not a few per request. Why: per request, at 14 prompts a
     prefill call, it was about half of that call's ~1,800 kernel launches on the H200
     (docs/benchmarks.md, seventeenth session). Row ``i`` draws one uniform of ``gens[i]``, as one call for it would.
-    ``sync_free`` (default: on CUDA): the graphs' truncation (``truncate_kernel``: the sort-free
-    kernel, as the engine's decode graphs use), no host read but the tokens. Why: the eager path's
+    ``sync_free`` (default: on CUDA): the graphs' truncation (``kernel``: the Triton kernel the
+    engine's decode graphs use, see ``probs_from_logits``), no host read but the tokens. Why: the eager path's
     reads made the first token cost ~3 ms a prefill call on the H200, more than a 150-token
     prompt's forward (docs/benchmarks.md, twenty-first session); on the CPU its top-entries
     shortcut is cheaper than sorting whole rows. The tokens stay on the device (a tensor, not read):
@@ -97,7 +97,7 @@ def first_tokens(
         col([s.top_p for s in samplings], torch.float32),
         col([s.min_p for s in samplings], torch.float32),
         capturable=logits.is_cuda if sync_free is None else sync_free,
-        truncate_kernel=truncate_kernel,
+        kernel=kernel,
     )
     return sample_from_probs(p_last, h2d(u, torch.float32, dev))
 
@@ -417,7 +417,7 @@ def accept(
     block: bool,
     capturable: bool = False,
     synthetic: torch.Tensor | None = None,
-    truncate_kernel: bool = False,
+    kernel: str | None = None,
 ) -> VerifyResult:
     """The verifier choice, made here only: over the target's ``logits [B, g+1, V]``, greedy for a
     greedy batch, else token-level or block verification against the processed ``p_target``.
@@ -428,13 +428,13 @@ def accept(
             u = torch.rand(drafts.shape, device=logits.device)  # graph-safe: CUDA's generator is captured
             return synthetic_verify(drafts, logits, synthetic, u, None)
         temperature, top_k, top_p, min_p = sampling.params()
-        p_target = probs_from_logits(logits, temperature, top_k, top_p, min_p, capturable, truncate_kernel)
+        p_target = probs_from_logits(logits, temperature, top_k, top_p, min_p, capturable, kernel)
         return synthetic_verify(drafts, p_target, synthetic, sampling.accept_u, sampling.emit_u)
     if sampling is None:
         return greedy_verify(drafts, logits)
     if q_draft is None:
         raise ValueError("a sampled batch needs q_draft")
     temperature, top_k, top_p, min_p = sampling.params()
-    p_target = probs_from_logits(logits, temperature, top_k, top_p, min_p, capturable, truncate_kernel)
+    p_target = probs_from_logits(logits, temperature, top_k, top_p, min_p, capturable, kernel)
     verify = block_verify if block else token_level_verify
     return verify(drafts, q_draft, p_target, sampling.accept_u, sampling.emit_u)

@@ -66,6 +66,34 @@ def truncate(
     return out
 
 
+def fused_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    k: torch.Tensor,
+    tp: torch.Tensor,
+    mp: torch.Tensor,
+    greedy_below: float,
+    candidates: int = 2,
+    block: int = 4096,
+    num_warps: int = 16,
+) -> torch.Tensor:
+    """``probs_from_logits(capturable=True, truncate_kernel=True)`` in one kernel: rows of ``logits [R,
+    V]`` (any float dtype) -> float32 probabilities (``temperature``, ``k``, ``tp``, ``mp``: ``[R, 1]``).
+    Why: that path is seven passes over every row in memory (the float copy, the temperature, the
+    softmax, the truncation, the sum and the division of the renormalisation, the greedy rows'
+    one-hot); here the logits are read twice, the row is written once, and the truncation's passes and
+    the renormalisation stay with the row (in L2). Keeps what :func:`truncate` keeps, normalised over
+    the kept values; a greedy row (``temperature < greedy_below``) is one-hot at its first argmax."""
+    if not use_triton(logits.device):
+        raise RuntimeError("the fused sampler kernel needs Triton (CUDA, or TRITON_INTERPRET=1)")
+    R, V = logits.shape
+    x = logits.contiguous()
+    out = torch.empty(R, V, dtype=torch.float32, device=x.device)
+    flat = [t.reshape(R).contiguous() for t in (temperature.float(), k.to(torch.int64), tp.float(), mp.float())]
+    _fused_kernel[(R,)](x, out, *flat, V, greedy_below, BLOCK=block, NC=candidates, num_warps=num_warps)
+    return out
+
+
 if triton is not None:
 
     @triton.jit
@@ -82,23 +110,10 @@ if triton is not None:
         return tl.sum(mass, 0), tl.sum(count, 0)
 
     @triton.jit
-    def _truncate_kernel(PROBS, OUT, K, TP, MP, V, BLOCK: tl.constexpr, NC: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        P = PROBS + row * V
-        O = OUT + row * V
-        k = tl.load(K + row)
-        tp = tl.load(TP + row)
-        mp = tl.load(MP + row)
-        top_k = (k > 0) & (k < V)
-        top_p = tp < 1.0
-        pmax = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            pmax = tl.maximum(pmax, tl.load(P + cols, mask=cols < V, other=0.0))
-        vmax = tl.max(pmax, 0)
-        # the smallest x (as float bits) with mass(p > x) <= tp and count(p > x) < k: true at x = vmax.
-        # Below (1 - tp) / V it is false under top-p (the entries at or below x hold at most V * x),
-        # so the search starts there (halved: rounding).
+    def _threshold(P, V, k, tp, top_k, top_p, vmax, BLOCK: tl.constexpr, NC: tl.constexpr):
+        """The kept set's last value ``t*``: the smallest x (as float bits) with mass(p > x) <= tp and
+        count(p > x) < k, true at x = vmax. Below (1 - tp) / V it is false under top-p (the entries at
+        or below x hold at most V * x), so the search starts there (halved: rounding)."""
         hi = vmax.to(tl.int32, bitcast=True)
         x0 = tl.where(top_p, 0.5 * (1.0 - tp) / V, 0.0)
         lo = tl.minimum(x0.to(tl.int32, bitcast=True), hi)
@@ -122,14 +137,18 @@ if triton is not None:
             ok = (((m <= tp).to(tl.int32) | no_p) & ((c < k).to(tl.int32) | no_k)) != 0
             hi = tl.min(tl.where(ok, mids, hi), 0)
             lo = tl.max(tl.where(ok, lo, mids + 1), 0)
-        t = hi.to(tl.float32, bitcast=True)
+        return hi.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _write_kept(P, O, V, t, k, tp, top_k, top_p, floor_m, BLOCK: tl.constexpr):
+        """``O`` = the entries of ``P`` that are kept, 0 elsewhere (``O`` may be ``P``); returns their sum.
+        Of the tokens tied at t, the lowest ids while the rule holds: the j-th tie (from 0) is kept iff
+        mass + j * t <= tp and count + j < k; min-p keeps p >= floor_m."""
         mass, count = _row_stats(P, V, t, BLOCK)
-        # of the tokens tied at t, the lowest ids while the rule holds: j-th tie (from 0) kept iff
-        # mass + j * t <= tp and count + j < k
         allowed = tl.where(top_k, k - count, V).to(tl.float32)
         allowed = tl.where(top_p & (t > 0), tl.minimum(allowed, tl.floor((tp - mass) / t) + 1.0), allowed)
-        floor_m = vmax * mp  # min-p: keep p >= max * min_p
         seen = tl.zeros([], dtype=tl.int32)  # ties met in the blocks before
+        total = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             inside = cols < V
@@ -137,5 +156,80 @@ if triton is not None:
             tie = (v == t) & inside
             rank = seen + tl.cumsum(tie.to(tl.int32), 0) - 1
             keep = ((v > t) | (tie & (rank.to(tl.float32) < allowed))) & (v >= floor_m)
-            tl.store(O + cols, tl.where(keep, v, 0.0), mask=inside)
+            kept = tl.where(keep, v, 0.0)
+            tl.store(O + cols, kept, mask=inside)
+            total += kept
             seen += tl.sum(tie.to(tl.int32), 0)
+        return tl.sum(total, 0)
+
+    @triton.jit
+    def _row_max(P, V, BLOCK: tl.constexpr):
+        pmax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            pmax = tl.maximum(pmax, tl.load(P + cols, mask=cols < V, other=0.0))
+        return tl.max(pmax, 0)
+
+    @triton.jit
+    def _truncate_kernel(PROBS, OUT, K, TP, MP, V, BLOCK: tl.constexpr, NC: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        P = PROBS + row * V
+        O = OUT + row * V
+        k = tl.load(K + row)
+        tp = tl.load(TP + row)
+        mp = tl.load(MP + row)
+        top_k = (k > 0) & (k < V)
+        top_p = tp < 1.0
+        vmax = _row_max(P, V, BLOCK)
+        t = _threshold(P, V, k, tp, top_k, top_p, vmax, BLOCK, NC)
+        _write_kept(P, O, V, t, k, tp, top_k, top_p, vmax * mp, BLOCK)
+
+    @triton.jit
+    def _fused_kernel(LOGITS, OUT, TEMP, K, TP, MP, V, greedy_below, BLOCK: tl.constexpr, NC: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        X = LOGITS + row * V
+        O = OUT + row * V
+        temp = tl.load(TEMP + row)
+        k = tl.load(K + row)
+        tp = tl.load(TP + row)
+        mp = tl.load(MP + row)
+        greedy = temp < greedy_below
+        tdiv = tl.where(greedy, 1.0, temp)  # divided, not multiplied by 1 / T: the unfused path's rounding
+        # pass 1: per lane the running max of x / T and the sum of exp below it; the first argmax
+        lane_m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+        lane_s = tl.zeros([BLOCK], dtype=tl.float32)
+        best = tl.full([], float("-inf"), dtype=tl.float32)
+        best_i = tl.zeros([], dtype=tl.int32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(X + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            y = x / tdiv
+            new_m = tl.maximum(lane_m, y)
+            ref = tl.where(new_m == float("-inf"), 0.0, new_m)  # (a lane of -inf so far: no inf - inf)
+            lane_s = lane_s * tl.exp(lane_m - ref) + tl.exp(y - ref)
+            lane_m = new_m
+            bm = tl.max(x, 0)
+            bi = tl.argmax(x, 0, tie_break_left=True).to(tl.int32) + start
+            best_i = tl.where(bm > best, bi, best_i)  # strictly: a tie in a later block keeps the first
+            best = tl.maximum(best, bm)
+        m = tl.max(lane_m, 0)
+        s = tl.sum(tl.where(lane_m == float("-inf"), 0.0, lane_s * tl.exp(lane_m - m)), 0)
+        # pass 2: the probabilities into the row (a greedy row: one-hot at the first argmax)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inside = cols < V
+            x = tl.load(X + cols, mask=inside, other=float("-inf")).to(tl.float32)
+            p = tl.exp(x / tdiv - m) / s
+            p = tl.where(greedy, tl.where(cols == best_i, 1.0, 0.0), p)
+            tl.store(O + cols, p, mask=inside)
+        top_k = (k > 0) & (k < V) & ~greedy
+        top_p = (tp < 1.0) & ~greedy
+        if top_k | top_p | ((mp > 0.0) & ~greedy):
+            vmax = _row_max(O, V, BLOCK)
+            t = _threshold(O, V, k, tp, top_k, top_p, vmax, BLOCK, NC)
+            total = _write_kept(O, O, V, t, k, tp, top_k, top_p, vmax * mp, BLOCK)
+            inv = 1.0 / total
+            for start in range(0, V, BLOCK):  # the kept values renormalised (the row is in L2)
+                cols = start + tl.arange(0, BLOCK)
+                inside = cols < V
+                tl.store(O + cols, tl.load(O + cols, mask=inside, other=0.0) * inv, mask=inside)
