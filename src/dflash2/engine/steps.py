@@ -42,13 +42,13 @@ def draw_uniforms(gen: torch.Generator, g: int) -> torch.Tensor:
     return torch.rand(2 * g + 1, generator=gen)
 
 
-def h2d(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def h2d(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """Host values as a tensor on ``device``. On CUDA through pinned memory, asynchronously: a copy
     from pageable memory waits for the work queued on the stream, so a prefill launched while the
     device runs a decode step would wait for that step (the caching host allocator keeps the pinned
     block until the copy is done)."""
     t = torch.as_tensor(data, dtype=dtype)
-    if device.type != "cuda":
+    if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
@@ -190,13 +190,16 @@ class BatchSampling:
 
     @classmethod
     def of(cls, params: list[SamplingParams], uniforms: torch.Tensor, device) -> "BatchSampling":
-        """Rows of ``params`` with their uniforms ``[B, 2g + 1]`` (in :func:`draw_uniforms`' order)."""
-        cols = [
-            torch.tensor([getattr(sp, f) for sp in params], device=device)
-            for f in ("temperature", "top_k", "top_p", "min_p")
-        ]
-        u, g = uniforms.to(device), (uniforms.shape[1] - 1) // 2
-        return cls(cols[0].float(), cols[1], cols[2].float(), cols[3].float(), u[:, :g], u[:, g : 2 * g], u[:, 2 * g])
+        """Rows of ``params`` with their uniforms ``[B, 2g + 1]`` (in :func:`draw_uniforms`' order), copied
+        with :func:`h2d` (on CUDA a copy from pageable memory would wait for the work queued on the stream,
+        a prefill launched beside the last step for one: every sampled step, never a greedy one)."""
+        f32 = torch.float32
+        temperature, top_k, top_p, min_p = (
+            h2d([getattr(sp, f) for sp in params], dt, device)
+            for f, dt in (("temperature", f32), ("top_k", torch.long), ("top_p", f32), ("min_p", f32))
+        )
+        u, g = h2d(uniforms, f32, device), (uniforms.shape[1] - 1) // 2
+        return cls(temperature, top_k, top_p, min_p, u[:, :g], u[:, g : 2 * g], u[:, 2 * g])
 
     @classmethod
     def draw(cls, reqs, g: int, device) -> "BatchSampling":
