@@ -236,6 +236,9 @@ def test_sample_from_probs_never_picks_zero_mass(seed):
     u = torch.cat([torch.zeros(1), torch.ones(1) - 1e-9, torch.rand(998)])
     s = sample_from_probs(p, u)
     assert set(s.tolist()) <= {1, 3}
+    # a last token whose mass does not move the float cdf, the draw at the very top (u = 1): a token with mass
+    tiny = torch.tensor([[0.0, 0.5, 0.5, 1e-9, 0.0, 0.0]] * 3)
+    assert sample_from_probs(tiny, torch.tensor([1.0, 0.9999999, 0.0])).tolist() == [2, 2, 1]
 
 
 @pytest.mark.parametrize("fast_top", [2, 4, 16, 1024])

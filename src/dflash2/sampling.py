@@ -257,9 +257,10 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     """Inverse-CDF draw: one token per row of ``probs [..., V]`` from ``uniforms [...]`` in [0, 1).
     Rows need not be normalised. Zero-probability tokens are never returned."""
     cdf = probs.float().cumsum(-1)
-    target = uniforms.float().unsqueeze(-1) * cdf[..., -1:]
-    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
-    # the clamp and float rounding could land on a zero-mass token at the top end: step back
-    nz = probs > 0
-    last_nz = (nz * torch.arange(probs.shape[-1], device=probs.device)).amax(-1, keepdim=True)
-    return torch.minimum(idx, last_nz).squeeze(-1)
+    total = cdf[..., -1:].contiguous()
+    idx = torch.searchsorted(cdf, uniforms.float().unsqueeze(-1) * total, right=True).clamp_(max=cdf.shape[-1] - 1)
+    # float rounding can put the draw at or past the total, beyond the last token with mass: take the
+    # first token where the cdf reaches the total instead (its cdf rose there, so it has mass; a search,
+    # not another pass over the row)
+    top = torch.searchsorted(cdf, total)
+    return torch.minimum(idx, top).squeeze(-1)
