@@ -1555,17 +1555,20 @@ def fused_sampler_rows(dev: str, cuda: bool) -> dict:
         def unfused():
             res["unfused"] = probs_from_logits(logits, T, k, tp, mp, capturable=True, kernel="truncate")
 
-        def fused():
-            res["fused"] = fused_probs(logits, T[:, None], k[:, None], tp[:, None], mp[:, None], GREEDY_BELOW)
+        def fused(key, nc, blk, nw):
+            res[key] = fused_probs(logits, T[:, None], k[:, None], tp[:, None], mp[:, None], GREEDY_BELOW, nc, blk, nw)
 
         n = 50 if cuda else 1
-        ms = {name: replay_ms(Replay(fn, cuda), n) for name, fn in (("unfused", unfused), ("fused", fused))}
-        same = int(((res["fused"] > 0) == (res["unfused"] > 0)).all(-1).sum())
-        diff = float((res["fused"] - res["unfused"]).abs().max())
-        out[f"R{R}"] = {"ms_unfused": round(ms["unfused"], 4), "ms_fused": round(ms["fused"], 4),
-                        "same_kept_rows": same, "of": R, "max_abs_diff": diff}  # fmt: skip
-        log(f"  fused sampler R{R}: unfused {ms['unfused']:.3f} ms, fused {ms['fused']:.3f} ms; same kept rows "
-            f"{same}/{R}, max |diff| {diff:.2e}")  # fmt: skip
+        row = out[f"R{R}"] = {"of": R, "ms_unfused": round(replay_ms(Replay(unfused, cuda), n), 4), "fused": {}}
+        log(f"  fused sampler R{R}: unfused {row['ms_unfused']:.3f} ms")
+        # (thresholds per pass, entries per load, warps): the truncation kernel's default first
+        for nc, blk, nw in ((2, 4096, 16), (4, 4096, 16), (2, 2048, 8), (8, 2048, 8)):
+            key = f"nc{nc} b{blk} w{nw}"
+            ms = replay_ms(Replay(partial(fused, key, nc, blk, nw), cuda), n)
+            same = int(((res[key] > 0) == (res["unfused"] > 0)).all(-1).sum())
+            diff = float((res[key] - res["unfused"]).abs().max())
+            row["fused"][key] = {"ms": round(ms, 4), "same_kept_rows": same, "max_abs_diff": diff}
+            log(f"    fused {key:<16} {ms:.3f} ms; same kept rows {same}/{R}, max |diff| {diff:.2e}")
     return out
 
 

@@ -171,28 +171,25 @@ if triton is not None:
         return tl.max(pmax, 0)
 
     @triton.jit
-    def _truncate_kernel(PROBS, OUT, K, TP, MP, V, BLOCK: tl.constexpr, NC: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        P = PROBS + row * V
-        O = OUT + row * V
-        k = tl.load(K + row)
-        tp = tl.load(TP + row)
-        mp = tl.load(MP + row)
-        top_k = (k > 0) & (k < V)
-        top_p = tp < 1.0
+    def _truncate_row(P, O, V, k, tp, mp, top_k, top_p, BLOCK: tl.constexpr, NC: tl.constexpr):
+        """``O`` = what top-k (where ``top_k``) / top-p (where ``top_p``) / min-p keep of ``P``; their sum."""
         vmax = _row_max(P, V, BLOCK)
         t = _threshold(P, V, k, tp, top_k, top_p, vmax, BLOCK, NC)
-        _write_kept(P, O, V, t, k, tp, top_k, top_p, vmax * mp, BLOCK)
+        return _write_kept(P, O, V, t, k, tp, top_k, top_p, vmax * mp, BLOCK)
+
+    @triton.jit
+    def _truncate_kernel(PROBS, OUT, K, TP, MP, V, BLOCK: tl.constexpr, NC: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        k, tp = tl.load(K + row), tl.load(TP + row)
+        _truncate_row(
+            PROBS + row * V, OUT + row * V, V, k, tp, tl.load(MP + row), (k > 0) & (k < V), tp < 1.0, BLOCK, NC
+        )
 
     @triton.jit
     def _fused_kernel(LOGITS, OUT, TEMP, K, TP, MP, V, greedy_below, BLOCK: tl.constexpr, NC: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        X = LOGITS + row * V
-        O = OUT + row * V
-        temp = tl.load(TEMP + row)
-        k = tl.load(K + row)
-        tp = tl.load(TP + row)
-        mp = tl.load(MP + row)
+        X, O = LOGITS + row * V, OUT + row * V
+        temp, k, tp, mp = tl.load(TEMP + row), tl.load(K + row), tl.load(TP + row), tl.load(MP + row)
         greedy = temp < greedy_below
         tdiv = tl.where(greedy, 1.0, temp)  # divided, not multiplied by 1 / T: the unfused path's rounding
         # pass 1: per lane the running max of x / T and the sum of exp below it; the first argmax
@@ -225,10 +222,10 @@ if triton is not None:
         top_k = (k > 0) & (k < V) & ~greedy
         top_p = (tp < 1.0) & ~greedy
         if top_k | top_p | ((mp > 0.0) & ~greedy):
-            vmax = _row_max(O, V, BLOCK)
-            t = _threshold(O, V, k, tp, top_k, top_p, vmax, BLOCK, NC)
-            total = _write_kept(O, O, V, t, k, tp, top_k, top_p, vmax * mp, BLOCK)
-            inv = 1.0 / total
+            # the row is read back by other threads of the program than wrote it: make the writes seen
+            tl.debug_barrier()
+            inv = 1.0 / _truncate_row(O, O, V, k, tp, mp, top_k, top_p, BLOCK, NC)
+            tl.debug_barrier()
             for start in range(0, V, BLOCK):  # the kept values renormalised (the row is in L2)
                 cols = start + tl.arange(0, BLOCK)
                 inside = cols < V
