@@ -100,6 +100,13 @@ def _residual_sample(p_rows: torch.Tensor, residual: torch.Tensor, uniforms: tor
     return sample_from_probs(torch.where(empty, p_rows, residual), uniforms)
 
 
+def _no_drafts(draft_tokens: torch.Tensor, p_target: torch.Tensor, emit_uniforms: torch.Tensor) -> VerifyResult:
+    """A block of no drafts (the target alone's step): its token is a draw from ``p_target``'s only row.
+    What both verifiers compute then, without their residual's passes over the vocabulary."""
+    n = torch.zeros(draft_tokens.shape[0], dtype=torch.long, device=draft_tokens.device)
+    return _assemble(draft_tokens, n, sample_from_probs(p_target[:, 0].float(), emit_uniforms))
+
+
 def token_level_verify(
     draft_tokens: torch.Tensor,
     q_draft: QDraft,
@@ -112,6 +119,8 @@ def token_level_verify(
     A bad ``q_draft`` row (see :func:`_bad_q`) stops acceptance there and emits from ``p_i``: exact,
     since position ``i`` then ignores the draft entirely."""
     B, g = draft_tokens.shape
+    if g == 0:
+        return _no_drafts(draft_tokens, p_target, emit_uniforms)
     ids, q = _q_parts(q_draft)
     px = p_target[:, :g].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).float()
     qx = _q_at(ids, q, draft_tokens)
@@ -138,6 +147,8 @@ def block_verify(
     accepts nothing and emits from ``p_0`` (exact when, as with broken weights, the badness does not
     depend on which tokens were drawn)."""
     B, g = draft_tokens.shape
+    if g == 0:
+        return _no_drafts(draft_tokens, p_target, emit_uniforms)
     ids, q = _q_parts(q_draft)
     bad_row = _bad_q(q).any(dim=1)
     p_t = p_target.float()
