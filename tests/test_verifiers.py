@@ -316,3 +316,20 @@ def test_first_tokens_of_a_batch_equal_one_by_one():
         # keeps the same set and draws the same tokens from the same uniforms
         gens = [make_generator(seed + i) for i in range(8)]
         assert first_tokens(logits, samplings, gens, stops, sync_free=True).tolist() == got
+
+
+def test_batch_sampling_rows_in_the_draw_order():
+    """BatchSampling.of: each request's parameters as a column (float32, top_k int64) and its uniforms
+    split in the one draw order (selector's g, verifier's g, the emitted token's); the device as a
+    name or a torch.device."""
+    from dflash2.engine.steps import BatchSampling
+
+    sps = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1), SamplingParams(temperature=1.0)]
+    u = torch.arange(2 * 7, dtype=torch.float32).reshape(2, 7) / 100
+    for dev in ("cpu", torch.device("cpu")):
+        b = BatchSampling.of(sps, u, dev)
+        assert b.temperature.dtype == b.top_p.dtype == b.min_p.dtype == torch.float32 and b.top_k.dtype == torch.long
+        assert b.top_k.tolist() == [5, -1] and b.min_p.tolist() == pytest.approx([0.1, 0.0])
+        assert (
+            torch.equal(b.propose_u, u[:, :3]) and torch.equal(b.accept_u, u[:, 3:6]) and torch.equal(b.emit_u, u[:, 6])
+        )
