@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A torchrun rank (--tp, or data-parallel train) leaves without the interpreter's teardown: there,
         # gloo's worker threads of a process group still referenced (the TP control group, DDP's reducer)
-        # meet a finalizing interpreter, and a `generate --tp 2` rank
-        # died of SIGABRT ("terminate called without an active exception") after its work was done,
-        # twice in CI (docs/benchmarks.md, forty-first session). Its work and output are complete here.
+        # meet a finalizing interpreter; a `generate --tp 2` rank died of SIGABRT ("terminate called
+        # without an active exception") twice in CI, once with an atexit destroy_process_group in place
+        # (docs/benchmarks.md, forty-first session). Its work and output are complete here.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(rc)

@@ -203,28 +203,29 @@ def probs_from_logits(
     the greedy blend always runs. ``kernel`` (with ``capturable``): "truncate", the sort-free Triton
     truncation (:mod:`dflash2.kernels.truncate`) instead of the full sort; "fused", the whole of this
     function in one Triton kernel (:func:`~dflash2.kernels.truncate.fused_probs`)."""
+    V = logits.shape[-1]
+    temp, k, tp, mp = (
+        _col(x, logits[..., 0], dtype).unsqueeze(-1)
+        for x, dtype in zip(
+            (temperature, top_k, top_p, min_p), (torch.float32, torch.long, torch.float32, torch.float32)
+        )
+    )
+
+    def per_row(x: torch.Tensor) -> torch.Tensor:  # a parameter column as one value a row, [R, 1]
+        return x.expand(logits.shape[:-1] + (1,)).reshape(-1, 1)
+
     if capturable and kernel == "fused":
         from .kernels.truncate import fused_probs
 
-        lead, V, f32 = logits.shape[:-1], logits.shape[-1], torch.float32
-
-        def per_row(x, dtype) -> torch.Tensor:  # one value a row, [R, 1]
-            return _col(x, logits[..., 0], dtype).expand(lead).reshape(-1, 1)
-
-        temp, k, tp, mp = (
-            per_row(x, dt) for x, dt in zip((temperature, top_k, top_p, min_p), (f32, torch.long, f32, f32))
+        rows = logits.reshape(-1, V)
+        return fused_probs(rows, per_row(temp), per_row(k), per_row(tp), per_row(mp), GREEDY_BELOW).reshape(
+            logits.shape
         )
-        return fused_probs(logits.reshape(-1, V), temp, k, tp, mp, GREEDY_BELOW).reshape(*lead, V)
     logits = logits.float()
-    V = logits.shape[-1]
-    temp = _col(temperature, logits[..., 0], torch.float32).unsqueeze(-1)
     greedy = temp < GREEDY_BELOW
     if capturable or not bool(((temp == 1) | greedy).all()):  # (a pass over every row: 6 ms at 128 CPU rows)
         logits = logits / torch.where(greedy, torch.ones_like(temp), temp)
     probs = torch.softmax(logits, dim=-1)
-    k = _col(top_k, logits[..., 0], torch.long).unsqueeze(-1)
-    tp = _col(top_p, logits[..., 0], torch.float32).unsqueeze(-1)
-    mp = _col(min_p, logits[..., 0], torch.float32).unsqueeze(-1)
     if capturable:
         truncate = (
             any(isinstance(x, torch.Tensor) for x in (top_k, top_p, min_p)) or 0 < top_k < V or top_p < 1 or min_p > 0
@@ -232,16 +233,12 @@ def probs_from_logits(
     else:
         truncate = bool(((k > 0) & (k < V)).any() | (tp < 1).any() | (mp > 0).any())
     if truncate and probs.numel():  # (no rows: a one-draft selector walk has no slot after the first)
-        rows = probs.shape[:-1] + (1,)
         P = probs.reshape(-1, V)
-        K, TP, MP = (x.expand(rows).reshape(-1, 1) for x in (k, tp, mp))
-        if capturable and kernel == "truncate":
+        K, TP, MP = map(per_row, (k, tp, mp))
+        if capturable:
             from .kernels.truncate import truncate as truncate_rows
 
-            out = truncate_rows(P, K, TP, MP)
-            out = out / out.sum(-1, keepdim=True)
-        elif capturable:
-            out = truncate_sorted(P, K, TP, MP)
+            out = (truncate_rows if kernel == "truncate" else truncate_sorted)(P, K, TP, MP)
             out = out / out.sum(-1, keepdim=True)
         else:
             out = _truncate_staged(P, K, TP, MP)

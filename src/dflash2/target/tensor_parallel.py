@@ -13,7 +13,6 @@ other ranks at the start of each step, so every rank admits, drafts and verifies
 
 from __future__ import annotations
 
-import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -69,11 +68,6 @@ class TPGroup:
         return box[0]
 
 
-def _destroy() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def init_tp(tp_size: int, device: str) -> TPGroup | None:
     """The group for ``--tp-size`` (None for 1), joining the process group torchrun describes in the
     environment (gloo on the CPU, NCCL on CUDA, one GPU per local rank)."""
@@ -91,10 +85,6 @@ def init_tp(tp_size: int, device: str) -> TPGroup | None:
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=IDLE)
-        # torn down explicitly at exit (local, no collective: a rank that failed does not wait on the
-        # others). Why: left to the interpreter's teardown, a `torchrun generate --tp 2` rank once died
-        # of SIGABRT after its work was done (CI, docs/benchmarks.md, fortieth session)
-        atexit.register(_destroy)
     if dist.get_world_size() != tp_size:
         raise TensorParallelError(f"--tp-size {tp_size}: the process group has {dist.get_world_size()} ranks")
     # rank 0's messages (requests, step times) over a gloo group of their own, beside NCCL too, as vLLM's
