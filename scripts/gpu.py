@@ -2019,7 +2019,7 @@ def speed_rows(args, target, draft, prompts, temp: float, keep, shared, **kw):
         deadline=T_START + args.deadline_s,
         slots=max(concs) if args.shared_engines else None,
         shared=shared,
-        **kw,
+        **{**kw, "engine_kw": {"sampler_backend": args.engine_sampler, **kw.get("engine_kw", {})}},
     )
 
 
@@ -2146,6 +2146,7 @@ def main() -> None:
         help="steps: which graphs (alone: the target alone's; prefill: the packed prefill graphs by token "
         "total; mixed: verify graphs with a packed prompt inside, by length)",
     )
+    ap.add_argument("--engine-sampler", default="auto", help="engine: EngineConfig.sampler_backend of every row")
     ap.add_argument("--sampler-backends", default="sort", help="steps: e.g. sort,triton (the sampled truncation)")
     ap.add_argument("--attn-shapes", default="smollm2,llama8b", help="attn: random targets of these shapes timed")
     ap.add_argument(

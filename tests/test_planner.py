@@ -605,11 +605,62 @@ def test_retire_only_after_costs_are_measured_and_drafting_cannot_pay():
     eager = Planner(W, PlannerConfig(mode="auto", probe_every=32, retire_every=2), widths=tuple(range(1, W + 1)))
     for w in (2, 1):
         eager.observe(["a"], [0], w, 4, 0.010 * w)
+    assert not eager.retire(4) and eager.want_plain == {4}  # one step at one token: a second first
+    assert eager.choose(["a"], 4) == 1
+    for _ in range(2):
+        eager.observe(["a"], [0], 1, 4, 0.010)
     assert eager.retire(4)
     graphs = Planner(W, PlannerConfig(mode="auto", probe_every=32, retire_every=2))
     for w in (W, 1):
         graphs.observe(["a"], [0], w, 4, 0.010 * w)
     assert not graphs.retire(4)
+
+
+def _h200_at_128(x1_live: float) -> Planner:
+    """A graph runner's planner as on the H200 at 128 requests: the replays (128 rows: full width 3.0 ms,
+    width 1 1.5, the target alone 1.4) scale live by 1.5 for the target alone at 8 rows, where it ran,
+    and the full width at 128 runs at 12 ms; then, once asked, width 1 at 128 runs at ``x1_live``."""
+    profile = {(128, W): 3.0e-3, (128, 1): 1.5e-3, (128, 0): 1.4e-3, (8, W): 2.0e-3, (8, 1): 1.1e-3, (8, 0): 1.0e-3}
+    p = Planner(W, PlannerConfig(mode="auto", probe_every=4, retire_every=2), profile=profile, widths=(1, W))
+    p.observe_plain(8, 1.5e-3)
+    rids = [f"r{i}" for i in range(128)]
+    for _ in range(4):
+        p.observe(rids, [W - 1] * 128, W, 128, 0.012)
+    # priced from the other bucket's scale, the target alone reads 2.1 ms at 128: drafting looks a loss
+    assert p.cost(128, 0) == pytest.approx(2.1e-3) and p.drafting_gain(128) < 1
+    assert p.speculate_new(128, 128) and not p.retire(128) and p.want_plain == {128}  # not yet: measure it first
+    assert p.choose(rids, 128) == 1  # the probe
+    for _ in range(2):
+        p.observe(rids, [0] * 128, 1, 128, x1_live)
+    return p
+
+
+def test_a_stop_for_good_waits_for_the_one_token_step_measured_at_its_bucket():
+    """Retirement and admission without drafting are for good (a batch that mixes cannot draft), so
+    they wait until the one-token step ran at that bucket (``plain_probes`` steps at width 1, asked for
+    by the planner), and the target alone is then priced from that step and the two replays. Why: on
+    the H200 at 128 requests the target alone read 15-25% cheaper than it ran, and drafting stopped
+    where the fixed width served 1.18-1.27x of the target alone (docs/benchmarks.md, forty-second
+    session)."""
+    rids = [f"r{i}" for i in range(128)]
+    pays = _h200_at_128(x1_live=3.2e-3)  # live, the target alone costs 3.2 x 1.4 / 1.5 = 2.99 ms there
+    assert pays.cost(128, 0) == pytest.approx(3.2e-3 * 1.4 / 1.5)
+    assert pays.drafting_gain(128) > 1.2 and not pays.retire(128) and pays.speculate_new(128, 128)
+    assert pays.choose(rids, 128) == W
+    assert [d["decision"] for d in pays.state()["decisions"]] == ["admit drafting"]  # never turned
+    loses = _h200_at_128(x1_live=2.2e-3)  # measured cheap: drafting does not pay there, and stops
+    assert loses.drafting_gain(128) < 1 and loses.retire(128) and not loses.speculate_new(128, 128)
+    retired = next(d for d in loses.state()["decisions"] if d["decision"] == "retire")
+    assert retired["plain"] == [pytest.approx(2.2 * 1.4 / 1.5, abs=1e-3), "profile"]
+    # prompts mixed into every probe void its time: after 2 x plain_probes tries the estimate decides
+    p = Planner(W, PlannerConfig(mode="auto", probe_every=4, retire_every=2), widths=(1, W))
+    p.costs.update({(128, W): 0.012, (8, 0): 1.5e-3})
+    p.steps = 4
+    p.want_plain.add(128)
+    for _ in range(4):
+        assert not p._plain_known(128)
+        p.observe(rids, [0] * 128, 1, 128, None)
+    assert p._plain_known(128)
 
 
 @pytest.mark.parametrize("runner", ["paged", "static"])
@@ -783,7 +834,12 @@ def test_a_shape_that_has_not_run_costs_its_profile_times_what_the_run_ones_cost
     p.observe_plain(4, 0.010)  # the target alone runs at its profile, so 10 ms at 8: drafting cannot pay
     assert p.cost(8, 0) == pytest.approx(0.010) and p.state()["profile_scale"] == {0: 1.0, W: pytest.approx(1.5)}
     assert p.cost(8, 1) == pytest.approx(0.012)  # width 1 borrows width 0's scale: the other one-token step
-    assert 0.7 < p.drafting_gain(8) < 0.95 and not p.speculate_new(8, 8) and p.retire(8)
+    assert 0.7 < p.drafting_gain(8) < 0.95
+    # a stop for good waits until the one-token step has run at that bucket (plain_probes steps)
+    assert p.speculate_new(8, 8) and not p.retire(8) and p.want_plain == {8}
+    for _ in range(2):
+        p.observe_plain(8, 0.010)
+    assert not p.speculate_new(8, 8) and p.retire(8)
     p.costs[(4, W)] = 0.012  # given, not run: read as it is, and the scale stays what ran said
     assert p.cost(4, W) == 0.012 and p.cost(8, W) == pytest.approx(0.025 * 1.5)
 

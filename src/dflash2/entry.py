@@ -142,7 +142,7 @@ def add_model_flags(ap: argparse.ArgumentParser) -> None:
         choices=["auto", "sort", "triton", "triton-fused"],
         help="the static runner's top-k / top-p / min-p inside its CUDA graphs: sort (every vocabulary row "
         "sorted), triton (a sort-free kernel), triton-fused (temperature, softmax and truncation in one "
-        "kernel; not yet measured on a GPU) or auto (default): triton on CUDA",
+        "kernel) or auto (default): triton-fused on CUDA",
     )
     ap.add_argument("--verify-manifest", default=None, help="refuse a drafter whose files fail this manifest")
     ap.add_argument("--manifest-signature", default=None)

@@ -222,11 +222,13 @@ class GraphModelRunner:
         self.synthetic = steps.synthetic_rates(synthetic_acceptance, width, target.device)  # benchmarks only
         self.clock = steps.OverlapClock(target.device)
         # sampled verify's truncation in the graph: "sort" (every row sorted), "triton" (sort-free
-        # kernel) or "triton-fused" (the whole processing in one kernel); auto: triton on CUDA. They keep
-        # the same set but at a top-p boundary within rounding of the sums (3 of 320 rows on the H200),
-        # so one engine uses one for every width
+        # kernel) or "triton-fused" (the whole processing in one kernel); auto: triton-fused on CUDA (on
+        # the H200 its rows cost 0.36 ms against 0.82 for the unfused kernel's seven passes at 320 rows, and
+        # at T=1, 64-128 requests, it served 1.10-1.18x of the target alone where the unfused kernel served
+        # 1.03-1.09x: docs/benchmarks.md, forty-second session). They keep the same set but at a top-p
+        # boundary within rounding of the sums (3 of 320 rows), so one engine uses one for every width
         if sampler == "auto":
-            sampler = "triton" if target.device.type == "cuda" and use_triton(target.device) else "sort"
+            sampler = "triton-fused" if target.device.type == "cuda" and use_triton(target.device) else "sort"
         kernels = {"sort": None, "triton": "truncate", "triton-fused": "fused"}
         if sampler not in kernels or (sampler != "sort" and not use_triton(target.device)):
             raise ValueError(

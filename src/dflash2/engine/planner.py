@@ -117,6 +117,14 @@ class PlannerConfig:
     # drafting's break-even is checked every this many steps (retirement is for good, so a few steps
     # late costs little; checked every step it was ~15-35 us of host work a step on the CPU)
     retire_every: int = 8
+    # steps measured at a bucket at one token (width 1 of the drafting requests, or the target alone)
+    # before drafting stops there for good (retirement; admission that would mix the batch): a
+    # probe at width 1 takes them (at most twice as many tries, where mixed prompts void the times).
+    # Why: priced from its start-up replay times the live scale of other shapes, the target alone at
+    # 128 requests read 15-25% cheaper than it ran (per-request host work is not in the replays), and
+    # on the H200 the planner stopped drafting where the fixed width served 1.18x (T=1) and 1.27x
+    # (held-out, T=0) of the target alone (docs/benchmarks.md, forty-second session)
+    plain_probes: int = 2
     # a measured step cost not refreshed in this many steps is dropped: its shape reads the profile
     # times the live scale again. Why: on the H200 at 8 requests, T=1, the target alone's cost came
     # from a few steps at a transition (2.11 ms, where its steps cost 1.68) and priced width 0 for the
@@ -138,10 +146,10 @@ class PlannerConfig:
                 raise ValueError(f"planner {name} out of range: {v}")
         if self.prior_drafts <= 0:
             raise ValueError(f"planner prior_drafts must be > 0, got {self.prior_drafts}")
-        if min(self.retire_every, self.probe_every, self.stale_after) < 1:
+        if min(self.retire_every, self.probe_every, self.stale_after, self.plain_probes) < 1:
             raise ValueError(
-                "planner retire_every, probe_every and stale_after must be >= 1: "
-                f"{self.retire_every}, {self.probe_every}, {self.stale_after}"
+                "planner retire_every, probe_every, stale_after and plain_probes must be >= 1: "
+                f"{self.retire_every}, {self.probe_every}, {self.stale_after}, {self.plain_probes}"
             )
 
 
@@ -369,6 +377,10 @@ class Planner:
     # planner's own later state priced at a 55% loss left no trace of why (docs/benchmarks.md, fortieth session)
     decisions: list[dict] = field(default_factory=list)
     _admitting: bool | None = None  # speculate_new's last answer
+    # buckets where a stop waits for the one-token step to be measured (cfg.plain_probes), and the
+    # width-1 steps tried there for it
+    want_plain: set[int] = field(default_factory=set)
+    plain_tries: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self):
         self.counts = AcceptanceCounts(
@@ -507,6 +519,8 @@ class Planner:
             return 2 if self._never_ran(2) else 1
         if cost[1] is None:  # try width 1 once, to learn what it costs
             return 1
+        if bucket in self.want_plain and not self._plain_known(bucket):  # a stop waits on its price
+            return 1
         keep = current if current in cost else W
         tokens = self.expected_by_width(rids)
         rate = {w: tokens[w - 1] / c for w, c in cost.items() if c is not None}
@@ -551,6 +565,9 @@ class Planner:
         # at 8 requests, T=1, an estimated gain of ~1.05 served 0.88x with the fixed width, the
         # tail of a finishing wave and the drafter's prefill upkeep not in the step costs)
         drafts = gain is None or bool(gain >= 1 + cfg.hysteresis)
+        if not drafts and not self._plain_known(bucket):  # draft on until the target alone is measured there
+            self.want_plain.add(bucket)
+            drafts = True
         if drafts != self._admitting:
             self._admitting = drafts
             self._note("admit drafting" if drafts else "admit not drafting", bucket, gain)
@@ -577,6 +594,19 @@ class Planner:
         ends = max(one, rate[self.width]) * (1 + self.cfg.between_margin)
         return {w for w, r in rate.items() if w in (1, self.width) or (bucket, w) in self.profile or r > ends}
 
+    def _plain_known(self, bucket: int) -> bool:
+        """Whether the one-token step at ``bucket`` rests on what ran there: ``plain_probes`` steps of
+        width 1 or of the target alone, or a given cost (injected); also where width 1 cannot run here,
+        or its probes were tried ``2 x plain_probes`` times (prompts mixed into them void their times)."""
+        if self.widths and 1 not in self.widths:
+            return True
+        if self.plain_tries.get(bucket, 0) >= 2 * self.cfg.plain_probes:
+            return True
+        for key in ((bucket, 0), (bucket, 1)):
+            if key in self.costs and self.samples.get(key, self.cfg.plain_probes) >= self.cfg.plain_probes:
+                return True
+        return False
+
     def retire(self, bucket: int) -> bool:
         """Whether the drafting requests of a batch at ``bucket`` stop drafting for good: auto only,
         after ``probe_every`` steps (eagerly ``retire_every``; step costs measured; acceptance is the optimistic prior until
@@ -598,6 +628,9 @@ class Planner:
             return False  # for good, so only once a one-token step has a cost of its own (a probe)
         gain = self.drafting_gain(bucket)
         if gain is None or gain >= 1:
+            return False
+        if not self._plain_known(bucket):  # first measure the one-token step here
+            self.want_plain.add(bucket)
             return False
         self._note("retire", bucket, gain)
         return True
@@ -714,6 +747,12 @@ class Planner:
         key = (bucket, width)
         if key in self.costs:
             return self.costs[key]
+        other = (bucket, 1 - width)
+        if width in (0, 1) and key in self.profile and other in self.costs and self.profile.get(other):
+            # the other one-token step ran at this bucket: the same host work per request, so its live
+            # time scaled by the two replays. Why: a scale borrowed from other buckets missed per-request
+            # host work at 128 requests (see PlannerConfig.plain_probes)
+            return self.costs[other] * self.profile[key] / self.profile[other]
         if key in self.profile:
             return self.profile[key] * self._scale_of(width)
         if width == 0:
@@ -791,6 +830,8 @@ class Planner:
             return
         if seconds is not None:
             self._measure((bucket, width), seconds)
+        if width == 1 and bucket in self.want_plain:
+            self.plain_tries[bucket] = self.plain_tries.get(bucket, 0) + 1
         self.steps += 1
         if self.steps % self.cfg.retire_every == 0:
             self._expire()
