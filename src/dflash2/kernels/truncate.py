@@ -77,7 +77,7 @@ def fused_probs(
     block: int = 4096,
     num_warps: int = 16,
 ) -> torch.Tensor:
-    """``probs_from_logits(capturable=True, truncate_kernel=True)`` in one kernel: rows of ``logits [R,
+    """``probs_from_logits(capturable=True, kernel="truncate")`` in one kernel: rows of ``logits [R,
     V]`` (any float dtype) -> float32 probabilities (``temperature``, ``k``, ``tp``, ``mp``: ``[R, 1]``).
     Why: that path is seven passes over every row in memory (the float copy, the temperature, the
     softmax, the truncation, the sum and the division of the renormalisation, the greedy rows'
