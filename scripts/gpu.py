@@ -769,9 +769,12 @@ def stage_engine(args) -> None:
         from dflash2.training.sources import load_prompts
 
         sets["heldout"] = [p.messages for p in load_prompts(ROOT / "work" / "recipe" / "heldout_prompts.jsonl")]
+    unknown = set(args.prompt_sets.split(",")) - set(sets)
+    if unknown:
+        raise SystemExit(f"--prompt-sets: unknown {sorted(unknown)} (gsm8k, heldout)")
     shared = shared_engines(args)  # one engine per runner for every level, set, temperature and planner row
     for (set_name, set_prompts), temp in [
-        (kv, float(t)) for kv in sets.items() if kv[0] in args.prompt_sets.split(",")
+        ((name, sets[name]), float(t)) for name in args.prompt_sets.split(",")  # in the flag's order
         for t in args.graph_temperatures.split(",")
     ]:  # fmt: skip
         # (shared engines: a further set or temperature adds its rows only, no capture)
@@ -2197,7 +2200,9 @@ def main() -> None:
         "row was 0.3-1.6 s and moved by several percent between calls: docs/benchmarks.md, twenty-first session)",
     )
     ap.add_argument(
-        "--prompt-sets", default="gsm8k", help="engine: gsm8k and/or heldout (carry work/recipe/heldout_prompts.jsonl)"
+        "--prompt-sets",
+        default="gsm8k",
+        help="engine: gsm8k and/or heldout (carry work/recipe/heldout_prompts.jsonl), run in this order",
     )
     ap.add_argument(
         "--draft-precision", action="store_true", help="shape: time the draft's attention matmuls both ways"
