@@ -596,8 +596,13 @@ class Planner:
 
     def _plain_known(self, bucket: int) -> bool:
         """Whether the one-token step at ``bucket`` rests on what ran there: ``plain_probes`` steps of
-        width 1 or of the target alone, or a given cost (injected); also where width 1 cannot run here,
-        or its probes were tried ``2 x plain_probes`` times (prompts mixed into them void their times)."""
+        width 1 or of the target alone, or a given cost (injected); also where it is not read off a
+        start-up replay (the eager runner's: fitted by tokens over what ran, every batch size a bucket
+        of its own, so waiting at each would hold drafting requests at width 1 through every size a
+        wave passes: 58 such steps in one CPU run at 16 requests, T=1), where width 1 cannot run, or
+        where its probes were tried ``2 x plain_probes`` times (prompts mixed into them void their times)."""
+        if (bucket, 0) not in self.profile and (bucket, 1) not in self.profile:
+            return True
         if self.widths and 1 not in self.widths:
             return True
         if self.plain_tries.get(bucket, 0) >= 2 * self.cfg.plain_probes:
