@@ -752,12 +752,12 @@ class Planner:
         key = (bucket, width)
         if key in self.costs:
             return self.costs[key]
-        other = (bucket, 1 - width)
-        if width in (0, 1) and key in self.profile and other in self.costs and self.profile.get(other):
+        twin = (bucket, 1 - width)  # the other one-token step
+        if width in (0, 1) and key in self.profile and twin in self.costs and self.profile.get(twin):
             # the other one-token step ran at this bucket: the same host work per request, so its live
             # time scaled by the two replays. Why: a scale borrowed from other buckets missed per-request
             # host work at 128 requests (see PlannerConfig.plain_probes)
-            return self.costs[other] * self.profile[key] / self.profile[other]
+            return self.costs[twin] * self.profile[key] / self.profile[twin]
         if key in self.profile:
             return self.profile[key] * self._scale_of(width)
         if width == 0:
