@@ -34,7 +34,9 @@ picks: every step is a complete speculative step at its width.
   drain as they finish. A batch that mixes drafting and non-drafting requests cannot draft (one
   width a step), so its drafting ones stop too where a new request would not draft: else they
   pay their drafter upkeep at width 1 for nothing (0.85x of the target alone on the H200 at 8
-  requests, T=1, docs/benchmarks.md, eighteenth session).
+  requests, T=1, docs/benchmarks.md, eighteenth session). Either stop for good waits, where the
+  target alone's step would be priced off a start-up replay (graphs), until a one-token step has
+  run at that bucket (a width-1 probe: :attr:`PlannerConfig.plain_probes`).
 """
 
 from __future__ import annotations
