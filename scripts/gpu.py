@@ -2142,7 +2142,9 @@ def main() -> None:
     ap.add_argument(
         "--steps-shape", default="", help="steps: a random target of this shape (default: SmolLM2 + shipped drafter)"
     )
-    ap.add_argument("--steps-attention", default="sdpa,live", help="steps: the target's attention backends timed")
+    ap.add_argument(
+        "--steps-attention", default="live", help="steps: the target's attention backends timed (e.g. sdpa,live)"
+    )
     ap.add_argument(
         "--steps-kinds",
         default="draft,verify,plain,alone",
