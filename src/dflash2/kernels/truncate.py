@@ -224,7 +224,11 @@ if triton is not None:
         if top_k | top_p | ((mp > 0.0) & ~greedy):
             # the row is read back by other threads of the program than wrote it: make the writes seen
             tl.debug_barrier()
-            inv = 1.0 / _truncate_row(O, O, V, k, tp, mp, top_k, top_p, BLOCK, NC)
+            # the row's largest probability is the first argmax's, written above: one load, not a pass
+            # (x / T and the softmax are monotone, so no entry lies above it)
+            vmax = tl.load(O + best_i)
+            t = _threshold(O, V, k, tp, top_k, top_p, vmax, BLOCK, NC)
+            inv = 1.0 / _write_kept(O, O, V, t, k, tp, top_k, top_p, vmax * mp, BLOCK)
             tl.debug_barrier()
             for start in range(0, V, BLOCK):  # the kept values renormalised (the row is in L2)
                 cols = start + tl.arange(0, BLOCK)
