@@ -1537,10 +1537,11 @@ def stage_sampler(args) -> None:
 
 def fused_sampler_rows(dev: str, cuda: bool) -> dict:
     """kernels/truncate.fused_probs (temperature, softmax, truncation, renormalisation and greedy rows in
-    one kernel, forty-first session, not on yet) against the graphs' path it would replace
+    one kernel; the graphs' sampler on CUDA since the forty-second session) against the unfused path
     (probs_from_logits capturable with the truncation kernel): R rows of bf16 logits (64 and 128 requests x
     5 positions), T=1 top-p 0.95 with every fourth row greedy; rows kept identically, the largest
-    difference, ms per replay of each."""
+    difference, ms per replay of each. ``c32`` / ``c64``: the threshold search that gathers the last 32 / 64
+    entries of its bracket (``compact``, not on by default)."""
     import torch
     from dflash2.engine.graph_runner import Replay
     from dflash2.kernels.truncate import fused_probs
@@ -1558,16 +1559,25 @@ def fused_sampler_rows(dev: str, cuda: bool) -> dict:
         def unfused():
             res["unfused"] = probs_from_logits(logits, T, k, tp, mp, capturable=True, kernel="truncate")
 
-        def fused(key, nc, blk, nw):
-            res[key] = fused_probs(logits, T[:, None], k[:, None], tp[:, None], mp[:, None], GREEDY_BELOW, nc, blk, nw)
+        def fused(key, nc, blk, nw, kc):
+            res[key] = fused_probs(
+                logits, T[:, None], k[:, None], tp[:, None], mp[:, None], GREEDY_BELOW, nc, blk, nw, compact=kc
+            )
 
         n = 50 if cuda else 1
         row = out[f"R{R}"] = {"of": R, "ms_unfused": round(replay_ms(Replay(unfused, cuda), n), 4), "fused": {}}
         log(f"  fused sampler R{R}: unfused {row['ms_unfused']:.3f} ms")
-        # (thresholds per pass, entries per load, warps): the truncation kernel's default first
-        for nc, blk, nw in ((2, 4096, 16), (4, 4096, 16), (2, 2048, 8), (8, 2048, 8)):
-            key = f"nc{nc} b{blk} w{nw}"
-            ms = replay_ms(Replay(partial(fused, key, nc, blk, nw), cuda), n)
+        # (thresholds per pass, entries per load, warps, compact): the default first
+        for nc, blk, nw, kc in (
+            (2, 4096, 16, 0),
+            (4, 4096, 16, 0),
+            (2, 4096, 16, 32),
+            (4, 4096, 16, 32),
+            (4, 4096, 16, 64),
+            (2, 2048, 8, 32),
+        ):
+            key = f"nc{nc} b{blk} w{nw}" + (f" c{kc}" if kc else "")
+            ms = replay_ms(Replay(partial(fused, key, nc, blk, nw, kc), cuda), n)
             same = int(((res[key] > 0) == (res["unfused"] > 0)).all(-1).sum())
             diff = float((res[key] - res["unfused"]).abs().max())
             row["fused"][key] = {"ms": round(ms, 4), "same_kept_rows": same, "max_abs_diff": diff}
