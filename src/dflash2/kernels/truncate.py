@@ -120,6 +120,28 @@ if triton is not None:
         return tl.sum(mass, 0), tl.sum(count, 0)
 
     @triton.jit
+    def _ok(mass, count, tp, k, no_p, no_k):
+        """The search's test at a threshold: mass(p > x) <= tp (top-p) and count(p > x) < k (top-k)."""
+        # (as ints: the interpreter's | needs equal dtypes)
+        return (((mass <= tp).to(tl.int32) | no_p) & ((count < k).to(tl.int32) | no_k)) != 0
+
+    @triton.jit
+    def _split(P, V, lo, hi, js, BLOCK: tl.constexpr, NC: tl.constexpr):
+        """One pass of the threshold search: ``NC`` points splitting ``(lo, hi]`` (float bits) evenly, and
+        the mass and count of the row's entries above each."""
+        mids = lo + ((hi - lo).to(tl.int64) * (js + 1) // (NC + 1)).to(tl.int32)
+        xs = mids.to(tl.float32, bitcast=True)
+        mass = tl.zeros([NC, BLOCK], dtype=tl.float32)
+        count = tl.zeros([NC, BLOCK], dtype=tl.int32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            v = tl.load(P + cols, mask=cols < V, other=0.0)
+            above = v[None, :] > xs[:, None]
+            mass += tl.where(above, v[None, :], 0.0)
+            count += above.to(tl.int32)
+        return mids, tl.sum(mass, 1), tl.sum(count, 1)
+
+    @triton.jit
     def _threshold(P, V, k, tp, top_k, top_p, vmax, BLOCK: tl.constexpr, NC: tl.constexpr):
         """The kept set's last value ``t*``: the smallest x (as float bits) with mass(p > x) <= tp and
         count(p > x) < k, true at x = vmax. Below (1 - tp) / V it is false under top-p (the entries at
@@ -131,20 +153,8 @@ if triton is not None:
         no_p = (~top_p).to(tl.int32)
         no_k = (~top_k).to(tl.int32)
         while lo < hi:  # NC candidates per pass over the row: the interval shrinks NC + 1 times
-            mids = lo + ((hi - lo).to(tl.int64) * (js + 1) // (NC + 1)).to(tl.int32)
-            xs = mids.to(tl.float32, bitcast=True)
-            mass = tl.zeros([NC, BLOCK], dtype=tl.float32)
-            count = tl.zeros([NC, BLOCK], dtype=tl.int32)
-            for start in range(0, V, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                v = tl.load(P + cols, mask=cols < V, other=0.0)
-                above = v[None, :] > xs[:, None]
-                mass += tl.where(above, v[None, :], 0.0)
-                count += above.to(tl.int32)
-            m = tl.sum(mass, 1)
-            c = tl.sum(count, 1)
-            # monotone in x: False .. False True .. True (as ints: the interpreter's | needs equal dtypes)
-            ok = (((m <= tp).to(tl.int32) | no_p) & ((c < k).to(tl.int32) | no_k)) != 0
+            mids, m, c = _split(P, V, lo, hi, js, BLOCK, NC)
+            ok = _ok(m, c, tp, k, no_p, no_k)  # monotone in x: False .. False True .. True
             hi = tl.min(tl.where(ok, mids, hi), 0)
             lo = tl.max(tl.where(ok, lo, mids + 1), 0)
         return hi.to(tl.float32, bitcast=True)
@@ -196,12 +206,6 @@ if triton is not None:
         )
 
     @triton.jit
-    def _ok(mass, count, tp, k, no_p, no_k):
-        """The search's test at a threshold: mass(p > x) <= tp (top-p) and count(p > x) < k (top-k)."""
-        # (as ints: the interpreter's | needs equal dtypes)
-        return (((mass <= tp).to(tl.int32) | no_p) & ((count < k).to(tl.int32) | no_k)) != 0
-
-    @triton.jit
     def _threshold_compact(P, S, V, k, tp, top_k, top_p, vmax, BLOCK: tl.constexpr, NC: tl.constexpr, KC: tl.constexpr):
         """:func:`_threshold`'s answer (the smallest x, as float bits, that passes :func:`_ok`), its
         bisection stopped once at most ``KC`` entries lie in the bracket ``[lo, hi]``: they go to ``S``
@@ -220,18 +224,7 @@ if triton is not None:
         m_hi = tl.zeros([], dtype=tl.float32)
         go = (lo < hi) & (c_lo - c_hi > KC)
         while go:
-            mids = lo + ((hi - lo).to(tl.int64) * (js + 1) // (NC + 1)).to(tl.int32)
-            xs = mids.to(tl.float32, bitcast=True)
-            mass = tl.zeros([NC, BLOCK], dtype=tl.float32)
-            count = tl.zeros([NC, BLOCK], dtype=tl.int32)
-            for start in range(0, V, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                v = tl.load(P + cols, mask=cols < V, other=0.0)
-                above = v[None, :] > xs[:, None]
-                mass += tl.where(above, v[None, :], 0.0)
-                count += above.to(tl.int32)
-            m = tl.sum(mass, 1)
-            c = tl.sum(count, 1)
+            mids, m, c = _split(P, V, lo, hi, js, BLOCK, NC)
             ok = _ok(m, c, tp, k, no_p, no_k)  # monotone in x: False .. False True .. True
             j_hi = tl.min(tl.where(ok, js, NC), 0)  # the first that passes: the new hi
             j_lo = tl.max(tl.where(ok, -1, js), 0)  # the last that fails: the new lo is just above it
