@@ -126,6 +126,16 @@ if triton is not None:
         return (((mass <= tp).to(tl.int32) | no_p) & ((count < k).to(tl.int32) | no_k)) != 0
 
     @triton.jit
+    def _bracket(V, tp, top_k, top_p, vmax):
+        """The threshold search's start (float bits): ``hi`` at the row's largest entry, where the test
+        passes; ``lo`` at (1 - tp) / 2V under top-p (below (1 - tp) / V it fails: the entries at or
+        below x hold at most V * x; halved for rounding), else 0; and the rules that are off, as ints."""
+        hi = vmax.to(tl.int32, bitcast=True)
+        x0 = tl.where(top_p, 0.5 * (1.0 - tp) / V, 0.0)
+        lo = tl.minimum(x0.to(tl.int32, bitcast=True), hi)
+        return lo, hi, (~top_p).to(tl.int32), (~top_k).to(tl.int32)
+
+    @triton.jit
     def _split(P, V, lo, hi, js, BLOCK: tl.constexpr, NC: tl.constexpr):
         """One pass of the threshold search: ``NC`` points splitting ``(lo, hi]`` (float bits) evenly, and
         the mass and count of the row's entries above each."""
@@ -144,14 +154,9 @@ if triton is not None:
     @triton.jit
     def _threshold(P, V, k, tp, top_k, top_p, vmax, BLOCK: tl.constexpr, NC: tl.constexpr):
         """The kept set's last value ``t*``: the smallest x (as float bits) with mass(p > x) <= tp and
-        count(p > x) < k, true at x = vmax. Below (1 - tp) / V it is false under top-p (the entries at
-        or below x hold at most V * x), so the search starts there (halved: rounding)."""
-        hi = vmax.to(tl.int32, bitcast=True)
-        x0 = tl.where(top_p, 0.5 * (1.0 - tp) / V, 0.0)
-        lo = tl.minimum(x0.to(tl.int32, bitcast=True), hi)
+        count(p > x) < k, bisected from :func:`_bracket`'s ends."""
+        lo, hi, no_p, no_k = _bracket(V, tp, top_k, top_p, vmax)
         js = tl.arange(0, NC)
-        no_p = (~top_p).to(tl.int32)
-        no_k = (~top_k).to(tl.int32)
         while lo < hi:  # NC candidates per pass over the row: the interval shrinks NC + 1 times
             mids, m, c = _split(P, V, lo, hi, js, BLOCK, NC)
             ok = _ok(m, c, tp, k, no_p, no_k)  # monotone in x: False .. False True .. True
@@ -212,13 +217,9 @@ if triton is not None:
         and the answer is ``lo`` where ``lo`` passes, else the smallest of them that passes (the test
         changes only where x crosses an entry). The counts and mass at the bracket's ends come from the
         passes that set them."""
-        hi = vmax.to(tl.int32, bitcast=True)
-        x0 = tl.where(top_p, 0.5 * (1.0 - tp) / V, 0.0)
-        lo = tl.minimum(x0.to(tl.int32, bitcast=True), hi)
+        lo, hi, no_p, no_k = _bracket(V, tp, top_k, top_p, vmax)
         hi = tl.where(top_k | top_p, hi, lo)  # min-p alone: every x passes, so the answer is lo
         js = tl.arange(0, NC)
-        no_p = (~top_p).to(tl.int32)
-        no_k = (~top_k).to(tl.int32)
         c_lo = tl.zeros([], dtype=tl.int32) + V  # entries >= lo (at most V)
         c_hi = tl.zeros([], dtype=tl.int32)  # entries > hi, and their mass
         m_hi = tl.zeros([], dtype=tl.float32)
