@@ -2162,6 +2162,9 @@ def main() -> None:
         "total; mixed: verify graphs with a packed prompt inside, by length)",
     )
     ap.add_argument("--engine-sampler", default="auto", help="engine: EngineConfig.sampler_backend of every row")
+    ap.add_argument(
+        "--fused-compact", type=int, default=0, help="engine: the fused sampler's compact threshold search (0: off)"
+    )
     ap.add_argument("--sampler-backends", default="sort", help="steps: e.g. sort,triton (the sampled truncation)")
     ap.add_argument("--attn-shapes", default="smollm2,llama8b", help="attn: random targets of these shapes timed")
     ap.add_argument(
@@ -2278,6 +2281,10 @@ def main() -> None:
     ap.add_argument("--packed-max-tokens", type=int, default=None, help="graph_runner.PACKED_MAX_TOKENS")
     ap.add_argument("--mixed-max-tokens", type=int, default=None, help="graph_runner.MIXED_MAX_STEP_TOKENS")
     args = ap.parse_args()
+    if args.fused_compact:  # the fused sampler's threshold search, for an A/B
+        from dflash2 import sampling
+
+        sampling.FUSED_COMPACT = args.fused_compact
     if args.fused_attention or args.split_softmax == "off":  # model/attention.py's switches, for an A/B
         from dflash2.model import attention
 

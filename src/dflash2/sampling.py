@@ -186,6 +186,11 @@ def _truncate_staged(P, K, TP, MP) -> torch.Tensor:
     return out
 
 
+# the fused kernel's threshold search: 0 bisects to the last float bit; K (a power of two) gathers the
+# bracket's last K entries and picks among them (kernels/truncate.fused_probs; not the default until timed)
+FUSED_COMPACT = 0
+
+
 def probs_from_logits(
     logits: torch.Tensor,
     temperature=0.0,
@@ -218,9 +223,10 @@ def probs_from_logits(
         from .kernels.truncate import fused_probs
 
         rows = logits.reshape(-1, V)
-        return fused_probs(rows, per_row(temp), per_row(k), per_row(tp), per_row(mp), GREEDY_BELOW).reshape(
-            logits.shape
+        kept = fused_probs(
+            rows, per_row(temp), per_row(k), per_row(tp), per_row(mp), GREEDY_BELOW, compact=FUSED_COMPACT
         )
+        return kept.reshape(logits.shape)
     logits = logits.float()
     greedy = temp < GREEDY_BELOW
     if capturable or not bool(((temp == 1) | greedy).all()):  # (a pass over every row: 6 ms at 128 CPU rows)
