@@ -1,5 +1,6 @@
 """Verifiers as pure functions on small synthetic vocabularies."""
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -333,3 +334,19 @@ def test_batch_sampling_rows_in_the_draw_order():
         assert (
             torch.equal(b.propose_u, u[:, :3]) and torch.equal(b.accept_u, u[:, 3:6]) and torch.equal(b.emit_u, u[:, 6])
         )
+
+
+def test_uniform_stream_is_one_rand_call_per_take():
+    """steps.Uniforms reads a request's generator through a buffer: whatever the takes' lengths, and
+    across refills, the same numbers in the same order as one torch.rand call per take (the draw
+    order a seeded request's output depends on)."""
+    from dflash2.engine.steps import Uniforms
+
+    lengths = [1, 9, 3, 17, 1, 11, 600, 5] * 40
+    for seed in (0, 7):
+        gen, stream = torch.Generator().manual_seed(seed), Uniforms(seed, chunk=64)
+        for n in lengths:
+            want = torch.rand(n, generator=gen)
+            got = stream.take(n)
+            assert got.dtype == np.float32 and got.shape == (n,)
+            assert torch.equal(torch.from_numpy(got.copy()), want)

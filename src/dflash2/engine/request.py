@@ -8,10 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
 
 from ..sampling import SamplingParams
-from .steps import GenerationResult
+from .steps import GenerationResult, Uniforms
 
 _ids = itertools.count()
 
@@ -47,7 +46,7 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
-    generator: torch.Generator | None = None
+    generator: Uniforms | None = None  # its uniforms (steps.Uniforms: its own seeded generator)
     draft_cache: Any = None
     target_state: Any = None  # per-request target state (hybrid targets)
     slot: int | None = None  # its slot in the static-buffer runner, while it holds one

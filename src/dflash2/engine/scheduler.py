@@ -51,11 +51,12 @@ class Scheduler:
     def reserve_step(self) -> list[Request]:
         """Blocks for one verify step of every running request; preempts the newest as needed.
         Returns the preempted requests."""
-        preempted = []
+        preempted: list[Request] = []
         for req in list(self.running):
-            if req not in self.running:
+            if preempted and req not in self.running:  # (a membership test only once one is out: O(N) each)
                 continue
-            while not self.bm.can_grow(req, req.num_committed + self.lookahead(req)):
+            need = req.num_committed + self.lookahead(req)
+            while not self.bm.can_grow(req, need):
                 victim = self.running[-1]
                 self.running.remove(victim)
                 self.bm.release(victim)
@@ -65,8 +66,8 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is req:
                     break
-            if req in self.running:
-                self.bm.grow(req, req.num_committed + self.lookahead(req))
+            if not preempted or req in self.running:
+                self.bm.grow(req, need)
         return preempted
 
     def finish(self, req: Request) -> None:
