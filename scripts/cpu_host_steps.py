@@ -1,0 +1,113 @@
+"""The serving engine's host work per decode step, on the CPU: the graph runner (static slots, run
+eagerly here) over a tiny random Llama and drafter, N running sampled requests, each engine function
+on the step's critical path timed apart from the forwards ("replays"). Why: on the H200 at 64-128
+requests the host's share of a step is 0.8-1.6 ms of 3.5-7.4 (docs/benchmarks.md, forty-second
+session), and a GPU step waits for it; this shows where it goes without a GPU.
+
+  .venv/bin/python scripts/cpu_host_steps.py --requests 128 --steps 40
+
+"critical" = the decode step's wall less the forwards and less the overlap work (which runs while the
+GPU computes), plus the batch's reservation and admissions."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--planner", default="off", choices=["off", "auto"])
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    import torch
+
+    from dflash2.engine import steps
+    from dflash2.engine.engine import EngineConfig, LLMEngine
+    from dflash2.engine.request import Request
+    from dflash2.target import TargetModel
+    from dflash2.verification import SamplingParams
+    from targets import VOCAB, build
+    from test_speculative import random_draft
+
+    torch.set_num_threads(1)
+    N, T = args.requests, args.temperature
+    target = TargetModel(build("llama"), layer_ids=[0, 2])
+    eng = LLMEngine(
+        target,
+        random_draft(target).draft,
+        EngineConfig(
+            max_running_requests=N, num_draft_tokens=5, block_verification=True, context_length=512,
+            runner="static", speculative_planner=args.planner, sampler_backend="sort",
+        ),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(temperature=T, top_p=0.95 if T else 1.0, max_new_tokens=400, ignore_eos=True)
+    for _ in range(N):
+        eng.add_request(Request(torch.randint(3, VOCAB, (12,), generator=g).tolist(), sp))
+    while eng.prefilling or eng.scheduler.waiting or eng.stats.steps < 4:  # all prompts in, a few steps run
+        eng.step()
+
+    spent: dict[str, float] = collections.defaultdict(float)
+
+    def timed(obj, name: str, key: str | None = None) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[key or name] += time.perf_counter() - t
+
+        setattr(obj, name, wrapper)
+
+    for obj, names in (
+        (eng, ("_decode", "_decode_batch", "_admit", "_append", "_emit_first_tokens")),
+        (eng.scheduler, ("reserve_step",)),
+        (eng.runner, ("step", "_load")),
+        (eng.runner.clock, ("run",)),
+        (steps.BatchSampling, ("draw",)),
+        (steps, ("finish_step",)),
+    ):
+        for name in names:
+            timed(obj, name)
+    graph = eng.runner._graph
+
+    def graph_timed(*a, **kw):
+        replay, out = graph(*a, **kw)
+
+        def run() -> None:
+            t = time.perf_counter()
+            replay()
+            spent["replays"] += time.perf_counter() - t
+
+        return run, out
+
+    eng.runner._graph = graph_timed
+    s0, t0 = eng.stats.steps, time.perf_counter()
+    for _ in range(args.steps):
+        eng.step()
+    n = eng.stats.steps - s0
+    ms = {k: v / n * 1e3 for k, v in spent.items()}
+    critical = ms["_decode"] - ms["replays"] - ms["run"] + ms["_decode_batch"] + ms["_admit"]
+    print(
+        f"{N} requests, T={T}, planner {args.planner}: {n} steps, {(time.perf_counter() - t0) / n * 1e3:.2f} ms a step"
+    )
+    for k, v in sorted(ms.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:<20} {v:7.3f} ms/step")
+    print(f"  {'critical host':<20} {critical:7.3f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
