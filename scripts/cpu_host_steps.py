@@ -5,6 +5,9 @@ requests the host's share of a step is 0.8-1.6 ms of 3.5-7.4 (docs/benchmarks.md
 session), and a GPU step waits for it; this shows where it goes without a GPU.
 
   .venv/bin/python scripts/cpu_host_steps.py --requests 128 --steps 40
+  .venv/bin/python scripts/cpu_host_steps.py --model embedded --requests 64 --steps 20 --planner auto
+      # the embedded SmolLM2 + shipped drafter (the server's engine, --model-runner static) on GSM8K test
+      # prompts (work/gsm8k_test.jsonl), where drafting is accepted: auto's host work at full width
 
 "critical" = the decode step's wall less the forwards and less the overlap work (which runs while the
 GPU computes), plus the batch's reservation and admissions."""
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import sys
 import time
 import warnings
@@ -27,7 +31,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--planner", default="off", choices=["off", "auto"])
+    ap.add_argument("--planner", default="off", choices=["off", "auto", "none"], help="none: the target alone")
+    ap.add_argument("--model", default="tiny", choices=["tiny", "embedded"])
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     import torch
@@ -40,21 +45,46 @@ def main() -> None:
     from targets import VOCAB, build
     from test_speculative import random_draft
 
-    torch.set_num_threads(1)
     N, T = args.requests, args.temperature
-    target = TargetModel(build("llama"), layer_ids=[0, 2])
-    eng = LLMEngine(
-        target,
-        random_draft(target).draft,
-        EngineConfig(
-            max_running_requests=N, num_draft_tokens=5, block_verification=True, context_length=512,
-            runner="static", speculative_planner=args.planner, sampler_backend="sort",
-        ),
-    )  # fmt: skip
-    g = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=T, top_p=0.95 if T else 1.0, max_new_tokens=400, ignore_eos=True)
-    for _ in range(N):
-        eng.add_request(Request(torch.randint(3, VOCAB, (12,), generator=g).tolist(), sp))
+    if args.model == "tiny":
+        torch.set_num_threads(1)
+        target = TargetModel(build("llama"), layer_ids=[0, 2])
+        draft = None if args.planner == "none" else random_draft(target).draft
+        eng = LLMEngine(
+            target,
+            draft,
+            EngineConfig(
+                max_running_requests=N, num_draft_tokens=5, block_verification=True, context_length=512,
+                runner="static", speculative=draft is not None,
+                speculative_planner="off" if draft is None else args.planner, sampler_backend="sort",
+            ),
+        )  # fmt: skip
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, VOCAB, (12,), generator=g).tolist() for _ in range(N)]
+    else:
+        from dflash2.cli import build_parser
+        from dflash2.entry import load_models
+        from dflash2.server.launch import engine_config
+
+        flags = (
+            ["--speculative-algorithm", "NONE"] if args.planner == "none" else ["--speculative-planner", args.planner]
+        )
+        cli = ["serve", "--max-running-requests", str(N), "--model-runner", "static", *flags]
+        parsed = build_parser().parse_args(cli)
+        target, draft, width = load_models(parsed)
+        eng = LLMEngine(target, draft, engine_config(parsed, target, draft, width))
+        lines = (ROOT / "work" / "gsm8k_test.jsonl").read_text().splitlines()[:N]
+        tok = target.tokenizer
+        prompts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": json.loads(x)["question"]}], add_generation_prompt=True, tokenize=True,
+                return_dict=False,
+            )
+            for x in lines
+        ]  # fmt: skip
+    for ids in prompts:
+        eng.add_request(Request(ids, sp))
     while eng.prefilling or eng.scheduler.waiting or eng.stats.steps < 4:  # all prompts in, a few steps run
         eng.step()
 
@@ -107,6 +137,12 @@ def main() -> None:
     for k, v in sorted(ms.items(), key=lambda kv: -kv[1]):
         print(f"  {k:<20} {v:7.3f} ms/step")
     print(f"  {'critical host':<20} {critical:7.3f} ms/step")
+    print(
+        "  widths",
+        dict(eng.stats.steps_by_width),
+        "mean accepted",
+        round(eng.stats.generated_tokens / max(eng.stats.verify_steps, 1), 2),
+    )
 
 
 if __name__ == "__main__":
