@@ -73,7 +73,7 @@ def h2d(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
 
 
 def first_token(
-    logits_row: torch.Tensor, sampling: SamplingParams, gen: torch.Generator, stops: list[int] | None = None
+    logits_row: torch.Tensor, sampling: SamplingParams, gen: Uniforms, stops: list[int] | None = None
 ) -> int:
     """The token the prefill emits, from the prompt's last logits row (one uniform of ``gen``);
     ``stops``: ids it may not be (``min_tokens``, :func:`stop_ids`)."""
@@ -214,11 +214,11 @@ class BatchSampling:
         wait for the work queued on the stream, a prefill launched beside the last step for one: every
         sampled step, never a greedy one; one copy, not five: ~15 us of host each). top_k travels as a
         float (exact: it is below 2**24)."""
-        u = np.asarray(uniforms, dtype=np.float32)
+        host = np.asarray(uniforms, dtype=np.float32)
         cols = np.array([(sp.temperature, sp.top_k, sp.top_p, sp.min_p) for sp in params], np.float32)
-        rows, g = h2d(np.concatenate([cols.reshape(-1, 4), u], 1), torch.float32, device), (u.shape[1] - 1) // 2
-        t, k, tp, mp, u = rows[:, 0], rows[:, 1].long(), rows[:, 2], rows[:, 3], rows[:, 4:]
-        return cls(t, k, tp, mp, u[:, :g], u[:, g : 2 * g], u[:, 2 * g])
+        rows, g = h2d(np.concatenate([cols.reshape(-1, 4), host], 1), torch.float32, device), (host.shape[1] - 1) // 2
+        u = rows[:, 4:]
+        return cls(rows[:, 0], rows[:, 1].long(), rows[:, 2], rows[:, 3], u[:, :g], u[:, g : 2 * g], u[:, 2 * g])
 
     @classmethod
     def draw(cls, reqs, g: int, device) -> "BatchSampling":
