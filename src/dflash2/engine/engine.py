@@ -35,6 +35,7 @@ from .steps import (
     draw_seed,
     GenerationResult,
     Runner,
+    StepOutput,
     eos_ids,
     first_tokens,
     make_generator,
@@ -619,29 +620,14 @@ class LLMEngine:
         return reqs
 
     def _decode(self, reqs: list[Request]) -> None:
+        """One step of the decode batch: its width (the planner's), the runner's step (draft, verify,
+        accept; a prefill launched inside it), then each request's tokens and the planner's counts."""
         t0 = time.perf_counter()
         # all greedy (the usual batch): argmax acceptance needs no distributions, uniforms or parameters
         greedy = all(r.sampling.greedy for r in reqs)
         rids, bucket = [r.request_id for r in reqs], self.runner.bucket(len(reqs))
-        drafters = sum(r.speculate for r in reqs) if self.draft is not None else 0
-        # drafting cannot pay at this load, or the batch mixes in requests that do not draft (so it
-        # cannot draft: in auto always, pinned where new ones would not draft): the batch's drafting
-        # requests stop for good
-        mixed = 0 < drafters < len(reqs) and (self.planner.adapts or not self.planner.speculate_new(len(reqs), bucket))
-        if drafters and (self.planner.retire(bucket) or mixed):
-            for r in reqs:
-                if r.speculate:
-                    r.speculate, r.draft_cache = False, None
-                    self.stats.requests_retired += 1
-            drafters = 0
-        drafting = drafters > 0 and drafters == len(reqs)
-        ahead, self._ahead = self._ahead, None
-        if not drafting:  # a request that does not draft: width 1
-            width = 1
-        elif ahead is not None and ahead[0] == bucket:  # chosen while the last step ran
-            width = ahead[1]
-        else:
-            width = self.planner.choose(rids, bucket)
+        drafters, width = self._width(reqs, rids, bucket)
+        drafting = 0 < drafters == len(reqs)
         t_plan = time.perf_counter()
         sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device)
         t_run = time.perf_counter()
@@ -672,6 +658,41 @@ class LLMEngine:
         if mix is not None and out.prefilled is not None:  # the prompt went in with the step
             self.stats.prompts_mixed += 1
             self._take_prefilled([mix], [out.prefilled])
+        self._commit(reqs, out, width)
+        # the step's own wall: without what the prefill launched inside it added (OverlapClock)
+        seconds = time.perf_counter() - t0 - out.overlap_s
+        if self.tp is not None:  # the planner learns rank 0's clock everywhere, so every rank chooses alike
+            seconds = self.tp.share(seconds)
+        t_obs = time.perf_counter()
+        self._observe(reqs, out, drafters, width, bucket, seconds)
+        t_end = time.perf_counter()
+        s = self.stats
+        s.host_s += (t_run - t0) + (t_end - t_back)
+        s.plan_s += (t_plan - t0) + (t_end - t_obs)
+
+    def _width(self, reqs: list[Request], rids: list[str], bucket: int) -> tuple[int, int]:
+        """How many of the batch's requests draft, and the step's verify width (1: the target alone, or a
+        batch of which some do not draft). Retires the
+        batch's drafting requests for good where drafting cannot pay at this load, or where the batch
+        mixes in requests that do not draft (so it cannot draft: in auto always, pinned where new ones
+        would not draft)."""
+        drafters = sum(r.speculate for r in reqs) if self.draft is not None else 0
+        mixed = 0 < drafters < len(reqs) and (self.planner.adapts or not self.planner.speculate_new(len(reqs), bucket))
+        if drafters and (self.planner.retire(bucket) or mixed):
+            for r in reqs:
+                if r.speculate:
+                    r.speculate, r.draft_cache = False, None
+                    self.stats.requests_retired += 1
+            drafters = 0
+        ahead, self._ahead = self._ahead, None
+        if not (drafters > 0 and drafters == len(reqs)):  # a request that does not draft: width 1
+            return drafters, 1
+        if ahead is not None and ahead[0] == bucket:  # chosen while the last step ran
+            return drafters, ahead[1]
+        return drafters, self.planner.choose(rids, bucket)
+
+    def _commit(self, reqs: list[Request], out: StepOutput, width: int) -> None:
+        """Each request's tokens of the step (stop rules, streaming) and the step's counts."""
         s = self.stats
         for b, (r, tokens, n) in enumerate(zip(reqs, out.tokens, out.num_accepted)):
             if r.sampling.logprobs is not None and out.logits is not None:
@@ -690,20 +711,23 @@ class LLMEngine:
         s.drafts_proposed += (width - 1) * len(reqs)
         s.draft_s += out.draft_s
         s.verify_s += out.verify_s
-        # the step's own wall: without what the prefill launched inside it added (OverlapClock)
-        seconds = time.perf_counter() - t0 - out.overlap_s
-        if self.tp is not None:  # the planner learns rank 0's clock everywhere, so every rank chooses alike
-            seconds = self.tp.share(seconds)
+
+    def _observe(
+        self, reqs: list[Request], out: StepOutput, drafters: int, width: int, bucket: int, seconds: float
+    ) -> None:
+        """The step's wall by shape, and what the planner learns from it: its cost at (bucket, width) and
+        each live request's accepted drafts (folded while the next step runs)."""
+        s = self.stats
         s.step_s += seconds
         s.overlap_s += out.overlap_s
+        drafting = 0 < drafters == len(reqs)
         plain = self.draft is not None and not drafters  # the target alone, no drafter upkeep
         shape = s.step_s_by_shape.setdefault(f"{bucket}x{0 if plain else width}", [0, 0.0])
         shape[0], shape[1] = shape[0] + 1, shape[1] + seconds
-        t_obs = time.perf_counter()
         cost = None if out.prefilled is not None else seconds  # (a prompt's share is not the width's)
         if drafting and cost is not None and self.planner.trims:
             self.planner.observe_split(bucket, width, out.draft_s, out.verify_s)
-        if drafting or self.draft is None:  # counts folded while the next step runs; finished ones are gone
+        if drafting or self.draft is None:  # finished requests are gone
             live = [b for b, r in enumerate(reqs) if not r.finished]
             self.planner.observe(
                 [reqs[b].request_id for b in live],
@@ -716,9 +740,6 @@ class LLMEngine:
             )
         elif plain:
             self.planner.observe_plain(bucket, cost)
-        t_end = time.perf_counter()
-        s.host_s += (t_run - t0) + (t_end - t_back)
-        s.plan_s += (t_plan - t0) + (t_end - t_obs)
 
     def _prefill_some(self, defer: bool = False) -> None:
         """Up to ``chunked_prefill_size`` prompt tokens, oldest admitted first; a request whose prompt
