@@ -874,13 +874,8 @@ def stage_steps(args) -> None:
             for r in reqs:
                 runner.prefill(r)
                 r.output_ids.append(r.prompt_ids[-1])
-            f32 = dict(dtype=torch.float32, device=dev)
-            sampling = BatchSampling(
-                torch.ones(B, **f32), torch.full((B,), -1, dtype=torch.long, device=dev),
-                torch.full((B,), 0.95, **f32), torch.zeros(B, **f32),
-                torch.rand(B, 4, **f32), torch.rand(B, 4, **f32), torch.rand(B, **f32),
-            )  # fmt: skip
-            runner._load(reqs, sampling)
+            top_p = [SamplingParams(temperature=1.0, top_p=0.95)] * B
+            runner._load(reqs, BatchSampling.of(top_p, torch.rand(B, 2 * 4 + 1), dev))
             for greedy in (True, False):
                 # plain: width 1 of requests that do not draft (no latent writes), the auto planner's
                 # target-alone step, against the target-alone engine's own verify w1 below
@@ -900,8 +895,7 @@ def stage_steps(args) -> None:
                 for r in reqs:
                     plain.prefill(r)
                     r.output_ids.append(r.prompt_ids[-1])
-                plain._load(reqs, BatchSampling(*(getattr(sampling, f)[:, :0] if getattr(sampling, f).dim() == 2
-                                                  else getattr(sampling, f) for f in BatchSampling.__dataclass_fields__)))  # fmt: skip
+                plain._load(reqs, BatchSampling.of(top_p, torch.rand(B, 1), dev))
                 for greedy in (True, False):
                     step, _ = plain._graph("verify", B, greedy, 1088, 1, make=True)
                     key = f"{attention} {sampler} B{B} {'greedy' if greedy else 'T=1'} target-alone verify w1"

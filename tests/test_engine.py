@@ -123,6 +123,33 @@ def test_static_runner_sampled_equals_paged(llama, block):
     assert [r.accept_hist for r in static] == [r.accept_hist for r in paged]
 
 
+def test_graph_runner_loads_a_sampled_batch_where_its_graphs_read_it(llama):
+    """The graph runner's sampling rows (one block a slot): a batch's parameters and draws, loaded in one
+    copy at the full width or in parts for a narrower step (width 1, a planner width), read back by the
+    graphs' view (_rows) as the batch that was loaded, at slots in order (a slice) or not (an index);
+    the other slots' rows untouched."""
+    from dflash2.engine.steps import BatchSampling
+
+    t, d = llama
+    runner = GraphModelRunner(t, d, 5, 6, 64, cuda_graph=False, block_verification=True)
+    params = [SamplingParams(temperature=0.5 + i / 10, top_k=3 + i, top_p=0.9, min_p=0.01 * i) for i in range(3)]
+    g_full = runner.w - 1
+    for g in (g_full, 2, 0):
+        for idx in (slice(0, 3), torch.tensor([4, 1, 3])):
+            runner.sampling.fill_(7.0)
+            batch = BatchSampling.of(params, torch.rand(3, 2 * g + 1), "cpu")
+            runner._load_sampling(idx, batch)
+            rows = runner._rows(6, False, g)
+            assert rows is not None
+            for f in ("temperature", "top_k", "top_p", "min_p", "propose_u", "accept_u", "emit_u"):
+                assert torch.equal(getattr(rows, f)[idx], getattr(batch, f)), (g, f)
+            assert rows.top_k.dtype == torch.long and batch.top_k.tolist() == [3, 4, 5]
+            loaded = list(range(6))[idx] if isinstance(idx, slice) else idx.tolist()
+            assert (runner.sampling[[s for s in range(6) if s not in loaded]] == 7.0).all()
+    with pytest.raises(ValueError, match="BatchSampling.of"):
+        runner._load_sampling(slice(0, 3), BatchSampling.of(params, torch.rand(3, 2 * g_full + 1), "cpu").trimmed(1))
+
+
 @pytest.mark.parametrize("kind", ["greedy", "sampled"])
 def test_graph_sampling_makes_one_kind_of_step_graph(llama, kind):
     """A run of one kind of request (bench acceptance) makes only that kind's step graphs, gives the

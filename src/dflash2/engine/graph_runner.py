@@ -277,19 +277,12 @@ class GraphModelRunner:
         self.ar = torch.arange(width, **lng)
         self.occupant: list[Request] = []  # occupant[s] holds slot s
         self.stale: set[int] = set()  # slots whose anchor / position the host must write
-        # per slot, for sampled batches: parameters, uniforms, and q_draft from the draft graph
-        # (idle slots keep a previous occupant's values: valid inputs whose results nobody reads)
+        # per slot, for sampled batches: parameters and uniforms (one block, BatchSampling.from_rows'
+        # layout), and q_draft from the draft graph (idle slots keep a previous occupant's values: valid
+        # inputs whose results nobody reads)
         f32 = dict(dtype=torch.float32, device=dev)
         g, V = width - 1, target.lm_head_weight.shape[0]
-        self.sampling = BatchSampling(
-            torch.ones(num_slots, **f32),
-            torch.full((num_slots,), -1, **lng),
-            torch.ones(num_slots, **f32),
-            torch.zeros(num_slots, **f32),
-            torch.full((num_slots, g), 0.5, **f32),
-            torch.full((num_slots, g), 0.5, **f32),
-            torch.full((num_slots,), 0.5, **f32),
-        )
+        self.sampling = torch.tensor([1.0, -1.0, 1.0, 0.0] + [0.5] * (2 * g + 1), **f32).repeat(num_slots, 1)
         # q_draft over the selector's candidates (a [slots, g, V] buffer: 176 MB at 128 slots, width 8)
         k = draft.candidate_selector.top_k if draft is not None else 1
         self.q_ids = torch.zeros(num_slots, g, k, **lng)
@@ -602,8 +595,7 @@ class GraphModelRunner:
         """The first ``B`` slots' sampling buffers, their first ``g`` draws (None: a greedy batch)."""
         if greedy:
             return None
-        cols = [getattr(self.sampling, f)[:B] for f in BatchSampling.__dataclass_fields__]
-        return BatchSampling(*(c[:, :g] if c.dim() == 2 and g is not None else c for c in cols))
+        return BatchSampling.from_rows(self.sampling[:B], self.w - 1 if g is None else g, stride=self.w - 1)
 
     def _verify_fn(
         self, B: int, greedy: bool, kv_len: int, out: dict, w: int, latents: bool = True, mix: int = 0
@@ -766,14 +758,23 @@ class GraphModelRunner:
             self.ids[at, 0] = steps.h2d([r.all_ids[-1] for r in stale], torch.long, dev)
             self.start[at] = steps.h2d([r.num_committed for r in stale], torch.long, dev)
             self.stale.difference_update(r.slot for r in stale)
-        if sampling is not None:  # a width-1 step has no propose / accept draws: only the first g columns
-            for f in BatchSampling.__dataclass_fields__:
-                buf, v = getattr(self.sampling, f), getattr(sampling, f)
-                if v.dim() == 2:
-                    buf[idx, : v.shape[1]] = v.to(buf.dtype)
-                else:
-                    buf[idx] = v.to(buf.dtype)
+        if sampling is not None:
+            self._load_sampling(idx, sampling)
         return idx, B, kv_len
+
+    def _load_sampling(self, idx: torch.Tensor | slice, sampling: BatchSampling) -> None:
+        """A sampled batch's block (:meth:`BatchSampling.of`) into its slots' rows: one copy, or, for a
+        narrower step than the full width (width 1, a planner width), its draws where the graphs read them."""
+        src, g, G = sampling.rows, sampling.propose_u.shape[1], self.w - 1
+        if src is None:
+            raise ValueError("the graph runner loads a sampled batch from BatchSampling.of's block")
+        if g == G:
+            self.sampling[idx] = src
+            return
+        self.sampling[idx, : 4 + g] = src[:, : 4 + g]
+        if g:
+            self.sampling[idx, 4 + G : 4 + G + g] = src[:, 4 + g : 4 + 2 * g]
+        self.sampling[idx, 4 + 2 * G] = src[:, 4 + 2 * g]
 
     @property
     def widths(self) -> tuple[int, ...]:

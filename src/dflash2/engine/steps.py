@@ -206,19 +206,38 @@ class BatchSampling:
     propose_u: torch.Tensor  # [B, g] the selector's draws
     accept_u: torch.Tensor  # [B, g] the verifier's acceptance draws
     emit_u: torch.Tensor  # [B] the draw of the emitted token
+    # the block the columns are views of, where they came from one (:meth:`of`): the graph runner copies
+    # it into its slots' block (:meth:`from_rows`' layout) in one go
+    rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor, g: int, stride: int | None = None) -> "BatchSampling":
+        """Views of a ``[B, 4 + 2G + 1]`` float block, the one layout: temperature, top_k (a float, exact
+        below 2**24), top_p, min_p, then ``G`` selector draws, ``G`` acceptance draws and the emitted
+        token's draw (:func:`draw_uniforms`' order). ``G`` = ``stride`` (default ``g``); the first ``g`` of
+        each kind of draw are read (a narrower step than the block was laid out for)."""
+        G = g if stride is None else stride
+        return cls(
+            rows[:, 0],
+            rows[:, 1].long(),
+            rows[:, 2],
+            rows[:, 3],
+            rows[:, 4 : 4 + g],
+            rows[:, 4 + G : 4 + G + g],
+            rows[:, 4 + 2 * G],
+            rows if G == g else None,
+        )
 
     @classmethod
     def of(cls, params: list[SamplingParams], uniforms, device) -> "BatchSampling":
         """Rows of ``params`` with their uniforms ``[B, 2g + 1]`` (in :func:`draw_uniforms`' order), copied
-        as one ``[B, 4 + 2g + 1]`` float block with :func:`h2d` (on CUDA a copy from pageable memory would
-        wait for the work queued on the stream, a prefill launched beside the last step for one: every
-        sampled step, never a greedy one; one copy, not five: ~15 us of host each). top_k travels as a
-        float (exact: it is below 2**24)."""
+        as one block (:meth:`from_rows`) with :func:`h2d` (on CUDA a copy from pageable memory would wait
+        for the work queued on the stream, a prefill launched beside the last step for one: every sampled
+        step, never a greedy one; one copy, not five: ~15 us of host each)."""
         host = np.asarray(uniforms, dtype=np.float32)
         cols = np.array([(sp.temperature, sp.top_k, sp.top_p, sp.min_p) for sp in params], np.float32)
-        rows, g = h2d(np.concatenate([cols.reshape(-1, 4), host], 1), torch.float32, device), (host.shape[1] - 1) // 2
-        u = rows[:, 4:]
-        return cls(rows[:, 0], rows[:, 1].long(), rows[:, 2], rows[:, 3], u[:, :g], u[:, g : 2 * g], u[:, 2 * g])
+        block = h2d(np.concatenate([cols.reshape(-1, 4), host], 1), torch.float32, device)
+        return cls.from_rows(block, (host.shape[1] - 1) // 2)
 
     @classmethod
     def draw(cls, reqs, g: int, device) -> "BatchSampling":
@@ -232,7 +251,7 @@ class BatchSampling:
         """The draws of a step whose drafts were cut to the first ``g`` after the walk (the planner's
         :meth:`~dflash2.engine.planner.Planner.trim`): the verifier's first ``g``, the same emitted
         token's draw."""
-        return replace(self, accept_u=self.accept_u[:, :g])
+        return replace(self, accept_u=self.accept_u[:, :g], rows=None)
 
 
 @dataclass
