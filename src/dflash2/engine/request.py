@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-
 from ..sampling import SamplingParams
 from .steps import GenerationResult, Uniforms
 
