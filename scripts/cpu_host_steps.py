@@ -103,7 +103,7 @@ def main() -> None:
         setattr(obj, name, wrapper)
 
     for obj, names in (
-        (eng, ("_decode", "_decode_batch", "_admit", "_append", "_emit_first_tokens")),
+        (eng, ("_decode", "_decode_batch", "_admit", "_commit", "_observe", "_width", "_append", "_emit_first_tokens")),
         (eng.scheduler, ("reserve_step",)),
         (eng.runner, ("step", "_load")),
         (eng.runner.clock, ("run",)),
