@@ -118,6 +118,9 @@ def test_engine_speed_rows(tmp_path):
     # host time outside the runner's step: some, and less than the whole step
     step_ms = [r.draft_ms_per_step + r.verify_ms_per_step + r.overhead_ms_per_step for r in rows]
     assert all(0 < r.host_ms_per_step < ms for r, ms in zip(rows, step_ms))
+    # its parts: the planner's calls, the batch's draws, the tokens' commit (some), within it
+    parts = [r.plan_ms_per_step + r.draw_ms_per_step + r.commit_ms_per_step for r in rows]
+    assert all(r.commit_ms_per_step > 0 and p <= r.host_ms_per_step * (1 + 1e-9) for r, p in zip(rows, parts))
     save(rows, tmp_path / "s.json", tmp_path / "s.png")
     assert "dflash2 w=5 block" in table(rows) and (tmp_path / "s.png").stat().st_size > 1000
 

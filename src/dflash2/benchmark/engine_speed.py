@@ -45,6 +45,8 @@ class ConcurrencyRow:
     # bookkeeping after), where a fixed width and the planner differ
     host_ms_per_step: float = 0.0
     plan_ms_per_step: float = 0.0  # of host_ms_per_step: the planner's calls (and the retirement check)
+    draw_ms_per_step: float = 0.0  # of host_ms_per_step: the sampled batch's parameters and uniforms
+    commit_ms_per_step: float = 0.0  # of host_ms_per_step: the tokens into each request after the read-back
     overlap_ms_per_step: float = 0.0  # what the prefills run inside steps added to a step's wall
 
 
@@ -178,6 +180,8 @@ def measure(
         step_ms_by_shape={k: [n, round(1e3 * t / n, 3)] for k, (n, t) in sorted(s.step_s_by_shape.items())},
         host_ms_per_step=1e3 * s.host_s / steps,
         plan_ms_per_step=1e3 * s.plan_s / steps,
+        draw_ms_per_step=1e3 * s.draw_s / steps,
+        commit_ms_per_step=1e3 * s.commit_s / steps,
         overlap_ms_per_step=1e3 * s.overlap_s / steps,
         prefill_shapes=prefill_shapes,
     )
@@ -214,6 +218,8 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
         step_ms_by_shape=rows[-1].step_ms_by_shape,
         host_ms_per_step=avg("host_ms_per_step"),
         plan_ms_per_step=avg("plan_ms_per_step"),
+        draw_ms_per_step=avg("draw_ms_per_step"),
+        commit_ms_per_step=avg("commit_ms_per_step"),
         overlap_ms_per_step=avg("overlap_ms_per_step"),
         prefill_shapes=rows[-1].prefill_shapes,
     )

@@ -204,6 +204,8 @@ class EngineStats:
     step_s: float = 0.0  # whole batched steps (prefills excluded)
     host_s: float = 0.0  # of step_s: outside runner.step (the planner before it, bookkeeping after)
     plan_s: float = 0.0  # of host_s: the planner's calls (retirement, the width, the observation)
+    draw_s: float = 0.0  # of host_s: the batch's parameters and uniforms (BatchSampling.draw)
+    commit_s: float = 0.0  # of host_s: the step's tokens into each request (stop rules, streaming, counts)
     overlap_s: float = 0.0  # what the work run inside steps (prefills) added to their wall (OverlapClock)
     prefill_s: float = 0.0  # prefill chunks, first tokens included
     steps_by_width: dict[int, int] = field(default_factory=dict)  # the widths verified
@@ -659,6 +661,7 @@ class LLMEngine:
             self.stats.prompts_mixed += 1
             self._take_prefilled([mix], [out.prefilled])
         self._commit(reqs, out, width)
+        t_commit = time.perf_counter()
         # the step's own wall: without what the prefill launched inside it added (OverlapClock)
         seconds = time.perf_counter() - t0 - out.overlap_s
         if self.tp is not None:  # the planner learns rank 0's clock everywhere, so every rank chooses alike
@@ -669,6 +672,8 @@ class LLMEngine:
         s = self.stats
         s.host_s += (t_run - t0) + (t_end - t_back)
         s.plan_s += (t_plan - t0) + (t_end - t_obs)
+        s.draw_s += t_run - t_plan
+        s.commit_s += t_commit - t_back
 
     def _width(self, reqs: list[Request], rids: list[str], bucket: int) -> tuple[int, int]:
         """How many of the batch's requests draft, and the step's verify width (1: the target alone, or a
