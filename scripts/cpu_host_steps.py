@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--prompt-tokens", type=int, default=12, help="tiny model: each prompt's length (context 512)")
     ap.add_argument("--planner", default="off", choices=["off", "auto", "none"], help="none: the target alone")
     ap.add_argument("--model", default="tiny", choices=["tiny", "embedded"])
     args = ap.parse_args()
@@ -46,7 +47,8 @@ def main() -> None:
     from test_speculative import random_draft
 
     N, T = args.requests, args.temperature
-    sp = SamplingParams(temperature=T, top_p=0.95 if T else 1.0, max_new_tokens=400, ignore_eos=True)
+    new_tokens = 400 if args.model == "embedded" else 500 - args.prompt_tokens
+    sp = SamplingParams(temperature=T, top_p=0.95 if T else 1.0, max_new_tokens=new_tokens, ignore_eos=True)
     if args.model == "tiny":
         torch.set_num_threads(1)
         target = TargetModel(build("llama"), layer_ids=[0, 2])
@@ -61,7 +63,7 @@ def main() -> None:
             ),
         )  # fmt: skip
         g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(3, VOCAB, (12,), generator=g).tolist() for _ in range(N)]
+        prompts = [torch.randint(3, VOCAB, (args.prompt_tokens,), generator=g).tolist() for _ in range(N)]
     else:
         from dflash2.cli import build_parser
         from dflash2.entry import load_models

@@ -909,3 +909,12 @@ def test_cpu_engine_keeps_freed_memory_in_the_heap(llama, monkeypatch):
     assert calls == [1]
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         assert tune_cpu_malloc() is True and tune_cpu_malloc() is True  # once a process, then remembered
+
+
+def test_request_length_and_anchor_without_building_the_context():
+    """Request.num_tokens / last_id (read per token and per step) agree with all_ids, before and after
+    outputs."""
+    req = Request([5, 6, 7], SamplingParams())
+    assert (req.num_tokens, req.last_id) == (len(req.all_ids), req.all_ids[-1]) == (3, 7)
+    req.output_ids += [9, 4]
+    assert (req.num_tokens, req.last_id) == (len(req.all_ids), req.all_ids[-1]) == (5, 4)

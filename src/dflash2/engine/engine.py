@@ -889,7 +889,7 @@ class LLMEngine:
             reason = stop_reason(tok, len(req.output_ids), sp, self.eos)
             if reason == "stop":
                 req.matched_stop = tok
-            elif reason is None and len(req.all_ids) >= self.cfg.context_length:
+            elif reason is None and req.num_tokens >= self.cfg.context_length:
                 reason = "length"
             elif (
                 req.stop_strings

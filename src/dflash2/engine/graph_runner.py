@@ -755,7 +755,7 @@ class GraphModelRunner:
         if stale:
             dev = self.ids.device
             at = steps.h2d([r.slot for r in stale], torch.long, dev)
-            self.ids[at, 0] = steps.h2d([r.all_ids[-1] for r in stale], torch.long, dev)
+            self.ids[at, 0] = steps.h2d([r.last_id for r in stale], torch.long, dev)
             self.start[at] = steps.h2d([r.num_committed for r in stale], torch.long, dev)
             self.stale.difference_update(r.slot for r in stale)
         if sampling is not None:

@@ -177,7 +177,7 @@ class ModelRunner:
         their own forwards here; --enable-mixed-chunk is the static runner's). ``trim``: the draft's
         confidence per slot -> the width to verify (the drafts after it are dropped unverified)."""
         t0 = time.perf_counter()
-        anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=self.target.device)
+        anchors = torch.tensor([r.last_id for r in reqs], device=self.target.device)
         w, conf = width or self.w, None
         if w > 1:
             drafts, q_draft, conf = self.propose(reqs, anchors, sampling, w, confidence=trim is not None)

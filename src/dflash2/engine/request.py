@@ -63,6 +63,16 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_tokens(self) -> int:
+        """``len(all_ids)`` without building it (a copy of the whole context: per token, per step)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_id(self) -> int:
+        """``all_ids[-1]``: the anchor the next step starts from."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def accept_length(self) -> float:
         return len(self.output_ids) / max(self.verify_steps, 1)
 

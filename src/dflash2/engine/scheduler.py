@@ -29,7 +29,7 @@ class Scheduler:
             req = self.waiting[0]
             if speculate is not None and not req.output_ids and not req.num_preemptions:
                 req.speculate = speculate(len(self.running) + 1)
-            need = len(req.all_ids) + self.lookahead(req)
+            need = req.num_tokens + self.lookahead(req)
             if not self.bm.can_grow(req, need):
                 break
             self.waiting.popleft()
@@ -41,7 +41,7 @@ class Scheduler:
 
     def fits(self, req: Request) -> bool:
         """Whether ``req``'s prefill and first step fit the KV memory as it is now."""
-        return self.bm.can_grow(req, len(req.all_ids) + self.lookahead(req))
+        return self.bm.can_grow(req, req.num_tokens + self.lookahead(req))
 
     def lookahead(self, req: Request) -> int:
         """KV positions past the committed ones that its next step may write: a block, or one token for
