@@ -151,13 +151,35 @@ def stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
 
 class Detokenizer:
     """Incremental text of a request's output; holds back an incomplete UTF-8 character and what
-    may be the start of a stop string."""
+    may be the start of a stop string. Each update decodes only a window of tokens: the last piece
+    emitted and what came after it (vLLM's incremental detokenization), not the whole output. Why:
+    decoding the whole output is O(length) per update with the GIL held (SmolLM2's tokenizer: 27 us
+    at 128 tokens, 95 us at 512 on this CPU), per streaming request per engine step; at 128 streams that
+    is milliseconds a step taken from the engine's thread."""
 
     def __init__(self, tokenizer, skip_special: bool = True):
         self.tok, self.skip, self.sent = tokenizer, skip_special, ""
+        self.text = ""  # the output's text so far, complete characters only (but at the end)
+        self.start = self.read = 0  # the window: output_ids[start:read] is the last piece decoded
+
+    def _advance(self, ids: list[int]) -> str:
+        """Decode the window; commit its new text where it ends in a complete character, else return it
+        (a character split across tokens decodes as U+FFFD until its last byte is in)."""
+        if len(ids) <= self.read:
+            return ""
+        before = self.tok.decode(ids[self.start : self.read], skip_special_tokens=self.skip)
+        after = self.tok.decode(ids[self.start :], skip_special_tokens=self.skip)
+        if len(after) <= len(before):  # (nothing new yet, e.g. a skipped special token: the window grows)
+            return ""
+        if after.endswith("\ufffd"):
+            return after[len(before) :]
+        self.text += after[len(before) :]
+        self.start, self.read = self.read, len(ids)
+        return ""
 
     def delta(self, req: Request, final: bool = False) -> str:
-        text = trim_stop(self.tok.decode(req.output_ids, skip_special_tokens=self.skip), req)
+        pending = self._advance(req.output_ids)  # (first: it may move self.text on)
+        text = trim_stop(self.text + pending, req)
         if not final:
             if text.endswith("\ufffd"):
                 return ""
