@@ -159,7 +159,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer, skip_special: bool = True):
         self.tok, self.skip, self.sent = tokenizer, skip_special, ""
-        self.text = ""  # the output's text so far, complete characters only (but at the end)
+        self.text = ""  # the text of output_ids[:read], committed (it ends in a complete character)
         self.start = self.read = 0  # the window: output_ids[start:read] is the last piece decoded
 
     def _advance(self, ids: list[int]) -> str:
