@@ -918,3 +918,30 @@ def test_request_length_and_anchor_without_building_the_context():
     assert (req.num_tokens, req.last_id) == (len(req.all_ids), req.all_ids[-1]) == (3, 7)
     req.output_ids += [9, 4]
     assert (req.num_tokens, req.last_id) == (len(req.all_ids), req.all_ids[-1]) == (5, 4)
+
+
+def test_a_stop_string_ends_the_output_at_the_token_that_completes_it(llama):
+    """_append finds a stop string with one decode of the step's tail (every token's tail on top of the
+    output) and only then looks for the token that completed it: the output ends exactly where a decode a
+    token would end it, whatever the step's size, across token boundaries, and a string that never
+    appears does not stop it."""
+    import transformers as tf
+
+    from dflash2.target.loading import default_target_path
+
+    t, d = llama
+    eng = LLMEngine(t, d, EngineConfig(max_running_requests=2, context_length=128))
+    tok = tf.AutoTokenizer.from_pretrained(default_target_path())
+    eng.target.tokenizer = tok
+    ids = tok("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda", add_special_tokens=False)["input_ids"]
+    for stop in ("a gam", "ta th", "lambda", "zeta eta", "omega"):
+        hits = [k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k][-32:], skip_special_tokens=True)]
+        for step in (1, 2, 3, 5, 8):
+            req = Request([1, 2], SamplingParams(max_new_tokens=100), stop_strings=(stop,))
+            while not req.finished and len(req.output_ids) < len(ids):
+                n = len(req.output_ids)
+                eng._append(req, ids[n : n + step])
+            if hits:
+                assert req.output_ids == ids[: hits[0]] and req.finish_reason == "stop" and req.matched_stop == stop
+            else:
+                assert req.output_ids == ids and not req.finished

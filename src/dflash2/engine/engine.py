@@ -883,6 +883,9 @@ class LLMEngine:
     def _append(self, req: Request, tokens: list[int]) -> None:
         sp, new = req.sampling, []
         reason = None
+        # stop strings: one decode of the tail with the step's tokens; only where it holds one, the
+        # token that completed it, a decode a token (each was ~10 us at 32 tokens, per token of the step)
+        strings = bool(req.stop_strings) and self._hits_stop_string(req, tokens) is not None
         for tok in tokens:
             req.output_ids.append(tok)
             new.append(tok)
@@ -891,11 +894,7 @@ class LLMEngine:
                 req.matched_stop = tok
             elif reason is None and req.num_tokens >= self.cfg.context_length:
                 reason = "length"
-            elif (
-                req.stop_strings
-                and len(req.output_ids) >= sp.min_tokens
-                and (hit := self._hits_stop_string(req)) is not None
-            ):
+            elif strings and len(req.output_ids) >= sp.min_tokens and (hit := self._hits_stop_string(req)) is not None:
                 reason, req.matched_stop = "stop", hit
             if reason:
                 break
@@ -907,9 +906,11 @@ class LLMEngine:
                 self._finish(req, reason, notify=False)
         self._notify(req, new)
 
-    def _hits_stop_string(self, req: Request) -> str | None:
-        """The stop string the output's tail now holds (the first listed), if any."""
-        tail = self.target.tokenizer.decode(req.output_ids[-32:], skip_special_tokens=True)
+    def _hits_stop_string(self, req: Request, more: list[int] | None = None) -> str | None:
+        """The stop string the output's tail holds (the first listed), if any; ``more``: with these tokens
+        appended (a tail as long as ``more`` on top, so it holds every tail the tokens make one by one)."""
+        ids = req.output_ids[-32:] + more if more else req.output_ids[-32:]
+        tail = self.target.tokenizer.decode(ids, skip_special_tokens=True)
         return next((s for s in req.stop_strings if s in tail), None)
 
     def _finish(self, req: Request, reason: str, error: str | None = None, notify: bool = True) -> None:
