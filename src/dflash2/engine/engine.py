@@ -630,6 +630,7 @@ class LLMEngine:
         rids, bucket = [r.request_id for r in reqs], self.runner.bucket(len(reqs))
         drafters, width = self._width(reqs, rids, bucket)
         drafting = 0 < drafters == len(reqs)
+        plain = self.draft is not None and not drafters  # the target alone, no drafter upkeep
         t_plan = time.perf_counter()
         sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device)
         t_run = time.perf_counter()
@@ -663,11 +664,11 @@ class LLMEngine:
         self._commit(reqs, out, width)
         t_commit = time.perf_counter()
         # the step's own wall: without what the prefill launched inside it added (OverlapClock)
-        seconds = time.perf_counter() - t0 - out.overlap_s
+        seconds = t_commit - t0 - out.overlap_s
         if self.tp is not None:  # the planner learns rank 0's clock everywhere, so every rank chooses alike
             seconds = self.tp.share(seconds)
         t_obs = time.perf_counter()
-        self._observe(reqs, out, drafters, width, bucket, seconds)
+        self._observe(reqs, out, drafting, plain, width, bucket, seconds)
         t_end = time.perf_counter()
         s = self.stats
         s.host_s += (t_run - t0) + (t_end - t_back)
@@ -677,10 +678,9 @@ class LLMEngine:
 
     def _width(self, reqs: list[Request], rids: list[str], bucket: int) -> tuple[int, int]:
         """How many of the batch's requests draft, and the step's verify width (1: the target alone, or a
-        batch of which some do not draft). Retires the
-        batch's drafting requests for good where drafting cannot pay at this load, or where the batch
-        mixes in requests that do not draft (so it cannot draft: in auto always, pinned where new ones
-        would not draft)."""
+        batch of which some do not draft). Retires the batch's drafting requests for good where drafting
+        cannot pay at this load, or where the batch mixes in requests that do not draft (so it cannot
+        draft: in auto always, pinned where new ones would not draft)."""
         drafters = sum(r.speculate for r in reqs) if self.draft is not None else 0
         mixed = 0 < drafters < len(reqs) and (self.planner.adapts or not self.planner.speculate_new(len(reqs), bucket))
         if drafters and (self.planner.retire(bucket) or mixed):
@@ -690,7 +690,7 @@ class LLMEngine:
                     self.stats.requests_retired += 1
             drafters = 0
         ahead, self._ahead = self._ahead, None
-        if not (drafters > 0 and drafters == len(reqs)):  # a request that does not draft: width 1
+        if not 0 < drafters == len(reqs):  # a request that does not draft: width 1
             return drafters, 1
         if ahead is not None and ahead[0] == bucket:  # chosen while the last step ran
             return drafters, ahead[1]
@@ -718,15 +718,20 @@ class LLMEngine:
         s.verify_s += out.verify_s
 
     def _observe(
-        self, reqs: list[Request], out: StepOutput, drafters: int, width: int, bucket: int, seconds: float
+        self,
+        reqs: list[Request],
+        out: StepOutput,
+        drafting: bool,
+        plain: bool,
+        width: int,
+        bucket: int,
+        seconds: float,
     ) -> None:
         """The step's wall by shape, and what the planner learns from it: its cost at (bucket, width) and
         each live request's accepted drafts (folded while the next step runs)."""
         s = self.stats
         s.step_s += seconds
         s.overlap_s += out.overlap_s
-        drafting = 0 < drafters == len(reqs)
-        plain = self.draft is not None and not drafters  # the target alone, no drafter upkeep
         shape = s.step_s_by_shape.setdefault(f"{bucket}x{0 if plain else width}", [0, 0.0])
         shape[0], shape[1] = shape[0] + 1, shape[1] + seconds
         cost = None if out.prefilled is not None else seconds  # (a prompt's share is not the width's)
