@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import sys
 import time
@@ -34,6 +35,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=12, help="tiny model: each prompt's length (context 512)")
     ap.add_argument("--planner", default="off", choices=["off", "auto", "none"], help="none: the target alone")
     ap.add_argument("--model", default="tiny", choices=["tiny", "embedded"])
+    ap.add_argument("--new-tokens", type=int, default=0, help="each request's output (0: long enough not to finish)")
+    ap.add_argument("--queued", type=int, default=0, help="requests waiting beyond --requests (finishes admit them)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     import torch
@@ -47,7 +50,8 @@ def main() -> None:
     from test_speculative import random_draft
 
     N, T = args.requests, args.temperature
-    new_tokens = 400 if args.model == "embedded" else 500 - args.prompt_tokens
+    new_tokens = args.new_tokens or (400 if args.model == "embedded" else 500 - args.prompt_tokens)
+    total = N + args.queued
     sp = SamplingParams(temperature=T, top_p=0.95 if T else 1.0, max_new_tokens=new_tokens, ignore_eos=True)
     if args.model == "tiny":
         torch.set_num_threads(1)
@@ -63,7 +67,7 @@ def main() -> None:
             ),
         )  # fmt: skip
         g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(3, VOCAB, (args.prompt_tokens,), generator=g).tolist() for _ in range(N)]
+        prompts = [torch.randint(3, VOCAB, (args.prompt_tokens,), generator=g).tolist() for _ in range(total)]
     else:
         from dflash2.cli import build_parser
         from dflash2.entry import load_models
@@ -76,7 +80,7 @@ def main() -> None:
         parsed = build_parser().parse_args(cli)
         target, draft, width = load_models(parsed)
         eng = LLMEngine(target, draft, engine_config(parsed, target, draft, width))
-        lines = (ROOT / "work" / "gsm8k_test.jsonl").read_text().splitlines()[:N]
+        lines = (ROOT / "work" / "gsm8k_test.jsonl").read_text().splitlines()[:total]
         tok = target.tokenizer
         prompts = [
             tok.apply_chat_template(
@@ -87,8 +91,8 @@ def main() -> None:
         ]  # fmt: skip
     for ids in prompts:
         eng.add_request(Request(ids, sp))
-    while eng.prefilling or eng.scheduler.waiting or eng.stats.steps < 4:  # all prompts in, a few steps run
-        eng.step()
+    while eng.prefilling or eng.stats.steps < 4 or (eng.scheduler.waiting and not args.queued):
+        eng.step()  # the running requests' prompts in, a few steps run
 
     spent: dict[str, float] = collections.defaultdict(float)
 
@@ -127,9 +131,19 @@ def main() -> None:
         return run, out
 
     eng.runner._graph = graph_timed
+
+    def gc_timed(phase: str, info: dict) -> None:  # Python's cyclic collections, wherever they land
+        if phase == "start":
+            spent["gc start"] = time.perf_counter()
+        else:
+            spent["gc"] += time.perf_counter() - spent.pop("gc start")
+            spent[f"gc gen{info['generation']} count"] += 1
+
+    gc.callbacks.append(gc_timed)
     s0, t0 = eng.stats.steps, time.perf_counter()
     for _ in range(args.steps):
         eng.step()
+    gc.callbacks.remove(gc_timed)
     n = eng.stats.steps - s0
     ms = {k: v / n * 1e3 for k, v in spent.items()}
     critical = ms["_decode"] - ms["replays"] - ms["run"] + ms["_decode_batch"] + ms["_admit"]
@@ -137,7 +151,10 @@ def main() -> None:
         f"{N} requests, T={T}, planner {args.planner}: {n} steps, {(time.perf_counter() - t0) / n * 1e3:.2f} ms a step"
     )
     for k, v in sorted(ms.items(), key=lambda kv: -kv[1]):
-        print(f"  {k:<20} {v:7.3f} ms/step")
+        if k.endswith(" count"):
+            print(f"  {k:<20} {spent[k]:7.0f} in {n} steps")
+        else:
+            print(f"  {k:<20} {v:7.3f} ms/step")
     print(f"  {'critical host':<20} {critical:7.3f} ms/step")
     print(
         "  widths",
