@@ -47,7 +47,7 @@ def main() -> None:
         "none": engine(["--speculative-algorithm", "NONE"], args.running),
         "auto width 0": engine(["--speculative-planner", "auto"], args.running),
     }
-    engines["auto width 0"][0]._speculate = lambda n: False  # type: ignore[method-assign]  # admitted not drafting
+    engines["auto width 0"][0]._speculation = lambda: lambda n: False  # type: ignore[method-assign]  # none drafts
     tok = engines["none"][1]
     texts = [p.messages[-1]["content"] for p in load_prompts(ROOT / "work" / "recipe" / "heldout_prompts.jsonl")]
     ids = [

@@ -774,6 +774,46 @@ def test_requests_admitted_where_drafting_cannot_pay_run_the_target_alone(llama,
         assert r.output_ids == _argmax_continuation(t, p, r.sampling.max_new_tokens)  # EOS ignored
 
 
+def test_an_admission_round_prices_each_bucket_once(llama, monkeypatch):
+    """Six requests admitted in one step ask the planner once (one batch bucket: the queue's size), and
+    each gets the answer it would have got alone: drafting where it pays, not drafting where it does not;
+    a round that admits a request without drafting admits the rest without too (a batch is one or the
+    other), with no further pricing."""
+    t, d = llama
+    eng = LLMEngine(
+        t,
+        d,
+        EngineConfig(
+            max_running_requests=6, num_draft_tokens=W, context_length=128, runner="static", speculative_planner="auto"
+        ),
+    )
+    calls = {"n": 0}
+    real = eng.planner.speculate_new
+
+    def counted(n, bucket):
+        calls["n"] += 1
+        return real(n, bucket)
+
+    monkeypatch.setattr(eng.planner, "speculate_new", counted)
+    prompts = [torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(12)]
+    for p in prompts[:6]:
+        eng.add_request(Request(p, SamplingParams(max_new_tokens=4)))
+    eng._admit()
+    assert calls["n"] == 1 and all(r.speculate for r in eng.scheduler.running)  # cold start: all draft
+    eng.run_until_done()
+    eng.planner.cfg = PlannerConfig(mode="auto", cost_decay=0.999)
+    for B in range(1, 7):  # measured: drafting cannot pay
+        eng.planner.costs[(B, W)], eng.planner.costs[(B, 1)] = 0.050, 0.010
+    calls["n"] = 0
+    assert not real(6, eng.runner.bucket(6))
+    calls["n"] = 0
+    for p in prompts[6:]:
+        eng.add_request(Request(p, SamplingParams(max_new_tokens=4)))
+    eng._admit()
+    assert calls["n"] == 1 and not any(r.speculate for r in eng.scheduler.running)
+    assert eng.stats.requests_not_drafting == 6
+
+
 def test_a_bad_streak_does_not_pin_width_one_until_the_probe():
     """Every other step accepts all drafts (drafting pays: 3 tokens in 4 ms against 1 in 2.3 ms),
     then fifteen steps reject the first draft and the planner goes to width 1. With no drafts to see,

@@ -32,6 +32,9 @@ class ConcurrencyRow:
     round_tokens_per_s: list = field(default_factory=list)  # round by round, to see drift over time
     round_slots: list = field(default_factory=list)  # each round's place in the whole run's order
     mean_width: float = 0.0  # verify width per step, averaged (the planner's choices; fixed rows: their width)
+    # each round's steps by verify width ("0": the target alone beside a drafter), and its drafting
+    # requests retired: where a planner row's rounds differ (its cold start is in the first), which widths
+    round_widths: list = field(default_factory=list)
     step_seconds: float = 0.0  # of ``seconds``: in batched decode steps
     prefill_seconds: float = 0.0  # of ``seconds``: in prefill chunks (the rest: the host between them)
     # with the planner on: its step costs (ms by "bucket x width") and every request's acceptance per
@@ -174,6 +177,14 @@ def measure(
         tokens_per_s_min=C / secs,
         tokens_per_s_max=C / secs,
         mean_width=sum(w * k for w, k in s.steps_by_width.items()) / steps,
+        round_widths=[
+            {
+                **{str(w): k for w, k in sorted(s.steps_by_width.items())},
+                "plain": sum(n for shape, (n, _) in s.step_s_by_shape.items() if shape.endswith("x0")),
+                "retired": s.requests_retired,
+                "not_drafting": s.requests_not_drafting,
+            }
+        ],
         step_seconds=s.step_s,
         prefill_seconds=s.prefill_s,
         planner_state=eng.planner.state() if eng.planner.adapts else {},
@@ -212,6 +223,7 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
         round_tokens_per_s=[r.tokens_per_s for r in rows],
         round_slots=[s for r in rows for s in r.round_slots],
         mean_width=avg("mean_width"),
+        round_widths=[x for r in rows for x in r.round_widths],
         step_seconds=sum(r.step_seconds for r in rows),
         prefill_seconds=sum(r.prefill_seconds for r in rows),
         planner_state=rows[-1].planner_state,

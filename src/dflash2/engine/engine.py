@@ -19,7 +19,7 @@ import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -587,22 +587,36 @@ class LLMEngine:
                     if req.request_id == rid:
                         self._finish(req, "abort")
             self._aborts.clear()
-            admitted = self.scheduler.admit(self._speculate if self.draft is not None else None)
+            admitted = self.scheduler.admit(self._speculation() if self.draft is not None else None)
             self.stats.requests_not_drafting += sum(not r.speculate for r in admitted if not r.num_preemptions)
             self.prefilling.extend(admitted)
 
-    def _speculate(self, n_running: int) -> bool:
+    def _speculation(self) -> Callable[[int], bool]:
+        """``speculate(n)`` for one round of admissions: whether a request that makes ``n`` running
+        ones drafts, each batch bucket priced once (nothing the planner learns changes while it
+        admits). Why once: priced per admission it was ~14 us of host work each on the step's
+        critical path, ~4 admissions a step at 128 requests (forty-fourth session)."""
+        sched, planner, answers = self.scheduler, self.planner, {}
         # auto: a request joins a batch that does not draft without drafting, so batches are either
         # drafting or not, never mixed for long. Why: near break-even, admissions flipped either way
         # and a mixed batch runs width 1 with the drafter's upkeep (1.2x the target alone's step): on
         # the H200 at 8 requests, T=1, half the steps (docs/benchmarks.md, nineteenth session)
-        if self.planner.adapts and not all(r.speculate for r in self.scheduler.running):
-            return False
-        # keyed on the batch these admissions make, the queue's included: admitted one by one, the
-        # first of a burst saw a small batch where drafting pays and drafted into a large one
-        sched = self.scheduler
-        n = max(n_running, min(sched.max_running, len(sched.running) + len(sched.waiting)))
-        return self.planner.speculate_new(n, self.runner.bucket(n))
+        plain = planner.adapts and not all(r.speculate for r in sched.running)
+
+        def speculate(n_running: int) -> bool:
+            nonlocal plain
+            if plain:
+                return False
+            # keyed on the batch these admissions make, the queue's included: admitted one by one, the
+            # first of a burst saw a small batch where drafting pays and drafted into a large one
+            n = max(n_running, min(sched.max_running, len(sched.running) + len(sched.waiting)))
+            key = (n if planner.cfg.schedule else 0, self.runner.bucket(n))  # (a schedule reads the count)
+            if key not in answers:
+                answers[key] = planner.speculate_new(n, key[1])
+            plain = planner.adapts and not answers[key]
+            return answers[key]
+
+        return speculate
 
     def _decode_batch(self) -> list[Request]:
         """The running requests whose prompt is in, once KV room for their next block is reserved
