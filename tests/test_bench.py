@@ -121,8 +121,28 @@ def test_engine_speed_rows(tmp_path):
     # its parts: the planner's calls, the batch's draws, the tokens' commit (some), within it
     parts = [r.plan_ms_per_step + r.draw_ms_per_step + r.commit_ms_per_step for r in rows]
     assert all(r.commit_ms_per_step > 0 and p <= r.host_ms_per_step * (1 + 1e-9) for r, p in zip(rows, parts))
+    # each round's steps by width: the target alone's at 1; the fixed width's at 5, none retired
+    assert rows[0].round_widths == [{"1": rows[0].round_widths[0]["1"], "plain": 0, "retired": 0, "not_drafting": 0}]
+    assert rows[0].round_widths[0]["1"] >= 8
+    assert all(r.round_widths[0].get("5", 0) > 0 and r.round_widths[0]["retired"] == 0 for r in rows[1:])
+    assert all(r.gc_ms_per_step >= 0 and len(r.gc_collections) == 3 for r in rows)
     save(rows, tmp_path / "s.json", tmp_path / "s.png")
     assert "dflash2 w=5 block" in table(rows) and (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_gc_pauses_count_collections_by_generation():
+    import gc
+
+    from dflash2.benchmark.engine_speed import GCPauses
+
+    pauses = GCPauses()
+    gc.callbacks.append(pauses)
+    try:
+        gc.collect()
+        gc.collect(0)
+    finally:
+        gc.callbacks.remove(pauses)
+    assert pauses.count[2] >= 1 and pauses.count[0] >= 1 and pauses.seconds > 0
 
 
 def test_engine_speed_shares_engines_across_levels_and_temperatures(monkeypatch):

@@ -3,6 +3,7 @@ the target alone and DFlash2 at each width and verifier, on the same prompts and
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -11,6 +12,20 @@ from pathlib import Path
 from ..engine.engine import EngineConfig, EngineStats, LLMEngine
 from ..training.data import render
 from ..verification import SamplingParams
+
+
+class GCPauses:
+    """A ``gc.callbacks`` entry: the seconds spent in collections and their count by generation."""
+
+    def __init__(self):
+        self.seconds, self.count, self._start = 0.0, [0, 0, 0], 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.count[info["generation"]] += 1
 
 
 @dataclass
@@ -35,6 +50,10 @@ class ConcurrencyRow:
     # each round's steps by verify width ("0": the target alone beside a drafter), and its drafting
     # requests retired: where a planner row's rounds differ (its cold start is in the first), which widths
     round_widths: list = field(default_factory=list)
+    # Python's cyclic collections during the run (they pause the host wherever they land): their time per
+    # step and their number by generation (0, 1, 2)
+    gc_ms_per_step: float = 0.0
+    gc_collections: list = field(default_factory=lambda: [0, 0, 0])
     step_seconds: float = 0.0  # of ``seconds``: in batched decode steps
     prefill_seconds: float = 0.0  # of ``seconds``: in prefill chunks (the rest: the host between them)
     # with the planner on: its step costs (ms by "bucket x width") and every request's acceptance per
@@ -151,8 +170,13 @@ def measure(
         SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=i) for i in range(n)
     ]
     shapes0 = {k: list(v) for k, v in getattr(eng.runner, "prefill_shapes", {}).items()}
+    pauses = GCPauses()
+    gc.callbacks.append(pauses)
     t0 = time.perf_counter()
-    out = eng.generate([prompt_ids[i % len(prompt_ids)] for i in range(n)], sps)  # (every rank, under --tp-size)
+    try:
+        out = eng.generate([prompt_ids[i % len(prompt_ids)] for i in range(n)], sps)  # (every rank, under --tp-size)
+    finally:
+        gc.callbacks.remove(pauses)
     secs = time.perf_counter() - t0
     prefill_shapes = {
         k: [n - shapes0.get(k, [0, 0])[0], t - shapes0.get(k, [0, 0])[1]]
@@ -195,6 +219,8 @@ def measure(
         commit_ms_per_step=1e3 * s.commit_s / steps,
         overlap_ms_per_step=1e3 * s.overlap_s / steps,
         prefill_shapes=prefill_shapes,
+        gc_ms_per_step=1e3 * pauses.seconds / steps,
+        gc_collections=list(pauses.count),
     )
 
 
@@ -234,6 +260,8 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
         commit_ms_per_step=avg("commit_ms_per_step"),
         overlap_ms_per_step=avg("overlap_ms_per_step"),
         prefill_shapes=rows[-1].prefill_shapes,
+        gc_ms_per_step=avg("gc_ms_per_step"),
+        gc_collections=[sum(c) for c in zip(*(r.gc_collections for r in rows))],
     )
 
 
