@@ -47,8 +47,9 @@ class ConcurrencyRow:
     round_tokens_per_s: list = field(default_factory=list)  # round by round, to see drift over time
     round_slots: list = field(default_factory=list)  # each round's place in the whole run's order
     mean_width: float = 0.0  # verify width per step, averaged (the planner's choices; fixed rows: their width)
-    # each round's steps by verify width ("0": the target alone beside a drafter), and its drafting
-    # requests retired: where a planner row's rounds differ (its cold start is in the first), which widths
+    # each round's steps by verify width ("plain": those of width 1 that were the target alone beside a
+    # drafter), its drafting requests retired and those admitted without drafting: where a planner
+    # row's rounds differ (its cold start is in the first), what each ran
     round_widths: list = field(default_factory=list)
     # Python's cyclic collections during the run (they pause the host wherever they land): their time per
     # step and their number by generation (0, 1, 2)
