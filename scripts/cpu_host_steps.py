@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--model", default="tiny", choices=["tiny", "embedded"])
     ap.add_argument("--new-tokens", type=int, default=0, help="each request's output (0: long enough not to finish)")
     ap.add_argument("--queued", type=int, default=0, help="requests waiting beyond --requests (finishes admit them)")
+    ap.add_argument("--synthetic", type=float, default=None, help="tiny model: accept each draft with this probability")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     import torch
@@ -64,6 +65,7 @@ def main() -> None:
                 max_running_requests=N, num_draft_tokens=5, block_verification=True, context_length=512,
                 runner="static", speculative=draft is not None,
                 speculative_planner="off" if draft is None else args.planner, sampler_backend="sort",
+                synthetic_acceptance=None if args.synthetic is None else (args.synthetic,),
             ),
         )  # fmt: skip
         g = torch.Generator().manual_seed(0)
@@ -113,11 +115,17 @@ def main() -> None:
         (eng.scheduler, ("reserve_step",)),
         (eng.runner, ("step", "_load")),
         (eng.runner.clock, ("run",)),
+        (eng.planner, ("observe", "fold", "choose_ahead", "forget", "speculate_new", "retire", "choose")),
+        (eng.planner.counts, ("observe", "refresh", "rows", "forget")),
+        (eng.planner.calibration, ("observe", "refit")),
         (steps.BatchSampling, ("draw",)),
         (steps, ("finish_step",)),
     ):
-        for name in names:
-            timed(obj, name)
+        for name in names:  # (the planner's: its class in the key, their names repeat)
+            cls = type(obj).__name__
+            timed(
+                obj, name, f"{cls}.{name}" if cls in ("Planner", "AcceptanceCounts", "ConfidenceCalibration") else None
+            )
     graph = eng.runner._graph
 
     def graph_timed(*a, **kw):
@@ -156,6 +164,8 @@ def main() -> None:
         else:
             print(f"  {k:<20} {v:7.3f} ms/step")
     print(f"  {'critical host':<20} {critical:7.3f} ms/step")
+    if eng.planner.adapts:
+        print("  planner", json.dumps({k: v for k, v in eng.planner.state().items() if k != "cost_ms"}))
     print(
         "  widths",
         dict(eng.stats.steps_by_width),

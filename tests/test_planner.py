@@ -315,7 +315,11 @@ def test_acceptance_is_estimated_per_position():
     assert a_s == pytest.approx(0.5, abs=0.1) and a_i == pytest.approx(0.5, abs=0.1)
     e_s, e_i = (p.expected_tokens(rids, W) / 16 for p in (streaky, independent))  # truth: 3.0 and 1.94
     assert e_s == pytest.approx(3.0, abs=0.3) and e_i == pytest.approx(1.94, abs=0.2)
-    independent.forget("r0")
+    rows = len(independent.counts.free)
+    independent.forget("r0")  # (its row is freed at the next fold: while the device runs the next step)
+    assert len(independent.counts.free) == rows
+    independent.fold()
+    assert len(independent.counts.free) == rows + 1 and not independent._gone
     assert independent.alpha("r0") == pytest.approx(independent.prior_alpha())
 
 
@@ -812,6 +816,26 @@ def test_an_admission_round_prices_each_bucket_once(llama, monkeypatch):
     eng._admit()
     assert calls["n"] == 1 and not any(r.speculate for r in eng.scheduler.running)
     assert eng.stats.requests_not_drafting == 6
+
+
+def test_a_runner_without_replays_measures_the_one_token_step_before_it_stops():
+    """A static runner without CUDA graphs (widths 1 and W, no start-up profile): at 128 requests only
+    the full width has run, and width 1 read off it by a small batch's ratio (0.2) prices drafting at a
+    loss. Drafting must not stop on that: the planner measures width 1 there first (as it does where
+    replays price it), and measured at 9.5 ms the full block pays. The eager runner (every width, priced
+    by tokens) still decides at once."""
+    p = Planner(W, PlannerConfig(mode="auto"), widths=(1, W))
+    p.costs[(4, 1)], p.costs[(4, W)], p.costs[(128, W)] = 0.002, 0.010, 0.0174
+    p.ratio = 0.2
+    assert p.drafting_gain(128, strict=True) < 1
+    assert p.speculate_new(128, 128) and p.want_plain == {128} and not p.retire(128)
+    rids = [f"r{i}" for i in range(128)]
+    assert p.choose(rids, 128) == 1  # measure it
+    for _ in range(2):
+        p.observe(rids, [0] * 128, 1, 128, 0.0095)
+    assert p.drafting_gain(128, strict=True) > 1.5 and p.speculate_new(128, 128) and not p.retire(128)
+    eager = Planner(W, PlannerConfig(mode="auto"), widths=tuple(range(1, W + 1)))
+    assert eager._plain_known(128)
 
 
 def test_a_bad_streak_does_not_pin_width_one_until_the_probe():

@@ -371,6 +371,7 @@ class Planner:
     calibration: ConfidenceCalibration = field(init=False)  # acceptance from the draft's confidence (trim)
     # a step observed, its counts not folded yet: (requests, accepted, width, the draft's confidence)
     _pending: tuple[list[str], list[int], int, np.ndarray | None] | None = None
+    _gone: list[str] = field(default_factory=list)  # finished requests whose rows :meth:`fold` frees
     _fit: tuple[float, float] | None = None  # eager: (fixed, per token) seconds, see _token_cost
     _fit_sig: tuple[int, float] = (-1, 0.0)  # the costs it was fitted on
     _every_width: tuple[tuple[int, ...] | None, bool] = (None, False)  # (widths, _any_width's answer for them)
@@ -599,11 +600,15 @@ class Planner:
     def _plain_known(self, bucket: int) -> bool:
         """Whether the one-token step at ``bucket`` rests on what ran there: ``plain_probes`` steps of
         width 1 or of the target alone, or a given cost (injected); also where it is not read off a
-        start-up replay (the eager runner's: fitted by tokens over what ran, every batch size a bucket
-        of its own, so waiting at each would hold drafting requests at width 1 through every size a
-        wave passes: 58 such steps in one CPU run at 16 requests, T=1), where width 1 cannot run, or
-        where its probes were tried ``2 x plain_probes`` times (prompts mixed into them void their times)."""
-        if (bucket, 0) not in self.profile and (bucket, 1) not in self.profile:
+        start-up replay where every width runs (the eager runner's: fitted by tokens over what ran, every
+        batch size a bucket of its own, so waiting at each would hold drafting requests at width 1 through
+        every size a wave passes: 58 such steps in one CPU run at 16 requests, T=1), where width 1 cannot
+        run, or where its probes were tried ``2 x plain_probes`` times (prompts mixed into them void their
+        times). Not a static runner without graphs (no replays): its one-token step was read off the
+        full width's by another bucket's ratio, and at 128 requests on the CPU (the one-token step 0.3x
+        a full one at a few requests, 0.55x at 128) drafting stopped in half the runs at a priced gain
+        of 1.05 where it served 1.55x the target alone (forty-fourth session)."""
+        if (bucket, 0) not in self.profile and (bucket, 1) not in self.profile and self._any_width():
             return True
         if self.widths and 1 not in self.widths:
             return True
@@ -856,21 +861,25 @@ class Planner:
         next choice. Why deferred: on the H200 at T=0 the planner's host work between steps made its
         steps 2.6-3.9% dearer than the fixed width's (docs/benchmarks.md, twenty-first session); done
         while the GPU runs the next step, it costs no wall time."""
-        if self._pending is None:
-            return
-        rids, accepted, width, confidence = self._pending
-        self._pending = None
-        if confidence is not None:  # (its rows are ``rids``')
-            self.calibration.observe(confidence, accepted, width - 1)
-        if width > 1:
-            self.counts.observe(rids, accepted, width - 1, self.cfg.decay, self.cfg.global_decay)
-        else:
-            self.counts.age(rids, self.cfg.decay)
-        self.counts.refresh()
+        if self._pending is not None:
+            rids, accepted, width, confidence = self._pending
+            self._pending = None
+            if confidence is not None:  # (its rows are ``rids``')
+                self.calibration.observe(confidence, accepted, width - 1)
+            if width > 1:
+                self.counts.observe(rids, accepted, width - 1, self.cfg.decay, self.cfg.global_decay)
+            else:
+                self.counts.age(rids, self.cfg.decay)
+            self.counts.refresh()
+        for rid in self._gone:  # after the step that saw them: its counts must not land in a reused row
+            self.counts.forget(rid)
+        self._gone.clear()
 
     def forget(self, rid: str) -> None:
-        self.fold()  # a deferred step that saw this request must not count it again after
-        self.counts.forget(rid)
+        """A finished request's counts are dropped at the next :meth:`fold` (while the device runs the
+        next step). Why not now: at 128 requests ~4-13 finish a step, ~6 us each on the CPU, on the
+        step's critical path (the engine's commit; forty-fourth session)."""
+        self._gone.append(rid)
 
     def state(self) -> dict:
         """What the planner knows (benchmark rows): step costs in ms by "bucket x width", every
