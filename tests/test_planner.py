@@ -320,6 +320,9 @@ def test_acceptance_is_estimated_per_position():
     assert len(independent.counts.free) == rows
     independent.fold()
     assert len(independent.counts.free) == rows + 1 and not independent._gone
+    for i in range(300):  # no step folds (say, requests that end at their first token): still bounded
+        independent.forget(f"gone{i}")
+    assert len(independent._gone) < 256
     assert independent.alpha("r0") == pytest.approx(independent.prior_alpha())
 
 

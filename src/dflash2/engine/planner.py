@@ -878,8 +878,11 @@ class Planner:
     def forget(self, rid: str) -> None:
         """A finished request's counts are dropped at the next :meth:`fold` (while the device runs the
         next step). Why not now: at 128 requests ~4-13 finish a step, ~6 us each on the CPU, on the
-        step's critical path (the engine's commit; forty-fourth session)."""
+        step's critical path (the engine's commit; forty-fourth session). Bounded: where no step
+        folds (requests that finish at their first token), every 256th does it here."""
         self._gone.append(rid)
+        if len(self._gone) >= 256:
+            self.fold()
 
     def state(self) -> dict:
         """What the planner knows (benchmark rows): step costs in ms by "bucket x width", every
