@@ -808,10 +808,13 @@ def test_an_admission_round_prices_each_bucket_once(llama, monkeypatch):
     eng._admit()
     assert calls["n"] == 1 and all(r.speculate for r in eng.scheduler.running)  # cold start: all draft
     eng.run_until_done()
-    eng.planner.cfg = PlannerConfig(mode="auto", cost_decay=0.999)
-    for B in range(1, 7):  # measured: drafting cannot pay
-        eng.planner.costs[(B, W)], eng.planner.costs[(B, 1)] = 0.050, 0.010
-    calls["n"] = 0
+    planner = eng.planner.fresh()  # (what the run measured, timing-dependent, left out)
+    planner.cfg = PlannerConfig(mode="auto", cost_decay=0.999)
+    for B in range(1, 7):  # given: drafting cannot pay
+        planner.costs[(B, W)], planner.costs[(B, 1)] = 0.050, 0.010
+    eng.use_planner(planner)
+    real = planner.speculate_new
+    monkeypatch.setattr(planner, "speculate_new", counted)
     assert not real(6, eng.runner.bucket(6))
     calls["n"] = 0
     for p in prompts[6:]:
