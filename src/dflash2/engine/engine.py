@@ -593,7 +593,7 @@ class LLMEngine:
 
     def _speculation(self) -> Callable[[int], bool]:
         """``speculate(n)`` for one round of admissions: whether a request that makes ``n`` running
-        ones drafts, each batch bucket priced once (nothing the planner learns changes while it
+        ones drafts, each batch size priced once (nothing the planner learns changes while it
         admits). Why once: priced per admission it was ~14 us of host work each on the step's
         critical path, ~4 admissions a step at 128 requests (forty-fourth session)."""
         sched, planner, answers = self.scheduler, self.planner, {}
@@ -610,11 +610,10 @@ class LLMEngine:
             # keyed on the batch these admissions make, the queue's included: admitted one by one, the
             # first of a burst saw a small batch where drafting pays and drafted into a large one
             n = max(n_running, min(sched.max_running, len(sched.running) + len(sched.waiting)))
-            key = (n if planner.cfg.schedule else 0, self.runner.bucket(n))  # (a schedule reads the count)
-            if key not in answers:
-                answers[key] = planner.speculate_new(n, key[1])
-            plain = planner.adapts and not answers[key]
-            return answers[key]
+            if n not in answers:  # (with a queue, n is the same for every admission of the round)
+                answers[n] = planner.speculate_new(n, self.runner.bucket(n))
+            plain = planner.adapts and not answers[n]
+            return answers[n]
 
         return speculate
 
