@@ -125,19 +125,21 @@ def test_static_runner_sampled_equals_paged(llama, block):
 
 def test_graph_runner_loads_a_sampled_batch_where_its_graphs_read_it(llama):
     """The graph runner's sampling rows (one block a slot): a batch's parameters and draws, loaded in one
-    copy at the full width or in parts for a narrower step (width 1, a planner width), read back by the
-    graphs' view (_rows) as the batch that was loaded, at slots in order (a slice) or not (an index);
-    the other slots' rows untouched."""
+    copy where the block is laid out at the full width (the engine's, whatever the step's width) or in
+    parts from a block of the step's own width (width 1, a planner width), read back by the graphs'
+    view (_rows) as the batch that was loaded, at slots in order (a slice) or not (an index); the other
+    slots' rows untouched."""
     from dflash2.engine.steps import BatchSampling
 
     t, d = llama
     runner = GraphModelRunner(t, d, 5, 6, 64, cuda_graph=False, block_verification=True)
     params = [SamplingParams(temperature=0.5 + i / 10, top_k=3 + i, top_p=0.9, min_p=0.01 * i) for i in range(3)]
     g_full = runner.w - 1
-    for g in (g_full, 2, 0):
+    for g, stride in [(g_full, g_full), (2, 2), (0, 0), (2, g_full), (0, g_full)]:
         for idx in (slice(0, 3), torch.tensor([4, 1, 3])):
             runner.sampling.fill_(7.0)
-            batch = BatchSampling.of(params, torch.rand(3, 2 * g + 1), "cpu")
+            block = BatchSampling.of(params, torch.rand(3, 2 * stride + 1), "cpu").rows
+            batch = BatchSampling.from_rows(block, g, stride)
             runner._load_sampling(idx, batch)
             rows = runner._rows(6, False, g)
             assert rows is not None

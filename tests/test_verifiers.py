@@ -350,3 +350,36 @@ def test_uniform_stream_is_one_rand_call_per_take():
             got = stream.take(n)
             assert got.dtype == np.float32 and got.shape == (n,)
             assert torch.equal(torch.from_numpy(got.copy()), want)
+
+
+def test_rows_drawn_ahead_are_the_rows_drawn_at_the_step():
+    """steps.draw_ahead (the next step's rows, drawn while the device runs this one) leaves a seeded
+    request's draws as drawing them at each step would: the same numbers in the same order, laid out at
+    the given width with its parameters first; a finished request is not drawn for; a row drawn ahead
+    is read once. BatchSampling.draw at a narrower width reads the first of each kind of draw."""
+    from types import SimpleNamespace
+
+    from dflash2.engine.steps import BatchSampling, Uniforms, draw_ahead, draw_uniforms
+
+    sp = SamplingParams(temperature=0.7, top_k=9, top_p=0.9, min_p=0.05, seed=3)
+
+    def req(finished=False):
+        return SimpleNamespace(sampling=sp, generator=Uniforms(3), drawn=None, finished=finished)
+
+    G, ahead, now, ref = 4, req(), req(), Uniforms(3)
+    for step in range(5):
+        g = (4, 2, 0, 4, 1)[step]
+        a, b = BatchSampling.draw([ahead], g, "cpu", G), BatchSampling.draw([now], g, "cpu", G)
+        u = torch.from_numpy(draw_uniforms(ref, G).copy())
+        for x in (a, b):
+            assert x.rows is not None and x.rows.shape == (1, 5 + 2 * G)
+            assert torch.equal(x.rows[0, 4:], u), step
+            assert torch.equal(x.propose_u[0], u[:g]) and torch.equal(x.accept_u[0], u[G : G + g])
+            assert float(x.emit_u[0]) == float(u[2 * G]) and x.top_k.tolist() == [9]
+            assert x.temperature.tolist() == pytest.approx([0.7]) and x.min_p.tolist() == pytest.approx([0.05])
+        assert ahead.drawn is None  # read once
+        draw_ahead([ahead], G)
+        assert ahead.drawn is not None
+    done = req(finished=True)
+    draw_ahead([done], G)
+    assert done.drawn is None and done.generator.pos == 0

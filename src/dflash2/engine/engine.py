@@ -32,8 +32,9 @@ from .request import Request, prefill_ids
 from .scheduler import Scheduler
 from .steps import (
     BatchSampling,
-    draw_seed,
     GenerationResult,
+    draw_ahead,
+    draw_seed,
     Runner,
     StepOutput,
     eos_ids,
@@ -645,11 +646,16 @@ class LLMEngine:
         drafting = 0 < drafters == len(reqs)
         plain = self.draft is not None and not drafters  # the target alone, no drafter upkeep
         t_plan = time.perf_counter()
-        sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device)
+        # drawn at the full width: a narrower step reads the first of each kind, and the next step's
+        # rows are drawn while the device runs this one (draw_ahead)
+        sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device, self.width - 1)
         t_run = time.perf_counter()
 
         def overlap() -> None:
-            # host work while the device runs the step: the last step's counts, the next step's width, a prefill
+            # host work while the device runs the step: the next step's draws, the last step's counts,
+            # the next step's width, a prefill
+            if not greedy:
+                draw_ahead(reqs, self.width - 1)
             self.planner.fold()
             if drafting:  # (None where the planner does not adapt)
                 nxt = self.planner.choose_ahead(rids, bucket, width)

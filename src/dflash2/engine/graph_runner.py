@@ -763,18 +763,20 @@ class GraphModelRunner:
         return idx, B, kv_len
 
     def _load_sampling(self, idx: torch.Tensor | slice, sampling: BatchSampling) -> None:
-        """A sampled batch's block (:meth:`BatchSampling.of`) into its slots' rows: one copy, or, for a
-        narrower step than the full width (width 1, a planner width), its draws where the graphs read them."""
+        """A sampled batch's block (:meth:`BatchSampling.from_rows`' layout) into its slots' rows: one
+        copy where it is laid out at the full width (the engine's, whatever the step's width), else its
+        draws where the graphs read them."""
         src, g, G = sampling.rows, sampling.propose_u.shape[1], self.w - 1
         if src is None:
             raise ValueError("the graph runner loads a sampled batch from BatchSampling.of's block")
-        if g == G:
+        S = (src.shape[1] - 5) // 2  # the block's draws of each kind (the engine's: the full width's)
+        if S == G:
             self.sampling[idx] = src
             return
         self.sampling[idx, : 4 + g] = src[:, : 4 + g]
         if g:
-            self.sampling[idx, 4 + G : 4 + G + g] = src[:, 4 + g : 4 + 2 * g]
-        self.sampling[idx, 4 + 2 * G] = src[:, 4 + 2 * g]
+            self.sampling[idx, 4 + G : 4 + G + g] = src[:, 4 + S : 4 + S + g]
+        self.sampling[idx, 4 + 2 * G] = src[:, 4 + 2 * S]
 
     @property
     def widths(self) -> tuple[int, ...]:

@@ -46,6 +46,7 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     generator: Uniforms | None = None  # its uniforms (steps.Uniforms: its own seeded generator)
+    drawn: Any = None  # its next sampled step's row, drawn while the device ran the last (steps.draw_ahead)
     draft_cache: Any = None
     target_state: Any = None  # per-request target state (hybrid targets)
     slot: int | None = None  # its slot in the static-buffer runner, while it holds one

@@ -57,8 +57,28 @@ def make_generator(seed: int | None) -> Uniforms:
 
 def draw_uniforms(gen: Uniforms, g: int) -> np.ndarray:
     """A request's uniforms for one step of ``g`` drafts, in the one draw order: the selector's ``g``,
-    the verifier's ``g`` acceptance draws, then the emitted token's draw (``[2g + 1]``)."""
+    the verifier's ``g`` acceptance draws, then the emitted token's draw (``[2g + 1]``). The serving
+    engine draws at its full width's ``g`` whatever width a step runs (a narrower step reads the first
+    of each kind: :meth:`BatchSampling.from_rows`), so a step's draws need not wait for its width."""
     return gen.take(2 * g + 1)
+
+
+def sampling_row(sampling: SamplingParams, gen: Uniforms, g: int) -> np.ndarray:
+    """A request's row of a sampled step's block (:meth:`BatchSampling.from_rows`' layout at ``g``
+    draws of each kind): its parameters, then its next ``2g + 1`` uniforms."""
+    params = np.array([sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p], np.float32)
+    return np.concatenate([params, draw_uniforms(gen, g)])
+
+
+def draw_ahead(reqs, g: int) -> None:
+    """Each live request's row for its next sampled step (:func:`sampling_row`), drawn while the device
+    runs this one: the same numbers in the same order as drawn at that step (a request's stream is its
+    own); a request that finishes leaves its row unread. Why: drawing a batch's rows was 0.26-0.41 ms
+    of host work before each sampled step at 64-128 requests on an H100 (docs/benchmarks.md,
+    forty-fifth session), with the device idle."""
+    for r in reqs:
+        if r.drawn is None and not r.finished:
+            r.drawn = sampling_row(r.sampling, r.generator, g)
 
 
 def h2d(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -225,7 +245,7 @@ class BatchSampling:
             rows[:, 4 : 4 + g],
             rows[:, 4 + G : 4 + G + g],
             rows[:, 4 + 2 * G],
-            rows if G == g else None,
+            rows,
         )
 
     @classmethod
@@ -240,9 +260,15 @@ class BatchSampling:
         return cls.from_rows(block, (host.shape[1] - 1) // 2)
 
     @classmethod
-    def draw(cls, reqs, g: int, device) -> "BatchSampling":
-        """Each request's parameters and this step's uniforms from its own generator."""
-        return cls.of([r.sampling for r in reqs], np.stack([draw_uniforms(r.generator, g) for r in reqs]), device)
+    def draw(cls, reqs, g: int, device, stride: int | None = None) -> "BatchSampling":
+        """Each request's parameters and this step's uniforms from its own generator, drawn at ``stride``
+        draws of each kind (default ``g``; the engine's full width: :func:`draw_uniforms`), ``g`` read."""
+        G = g if stride is None else stride
+        rows = []
+        for r in reqs:  # each row drawn ahead (draw_ahead) and read once, or drawn now
+            row, r.drawn = r.drawn, None
+            rows.append(row if row is not None and len(row) == 5 + 2 * G else sampling_row(r.sampling, r.generator, G))
+        return cls.from_rows(h2d(np.stack(rows), torch.float32, device), g, G)
 
     def params(self) -> tuple[torch.Tensor, ...]:
         return self.temperature, self.top_k, self.top_p, self.min_p
