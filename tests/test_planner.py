@@ -318,6 +318,9 @@ def test_acceptance_is_estimated_per_position():
     rows = len(independent.counts.free)
     independent.forget("r0")  # (its row is freed at the next fold: while the device runs the next step)
     assert len(independent.counts.free) == rows
+    # the engine's order: the step's commit forgets, then its own observation (on the critical path) frees nothing
+    independent.observe(rids[1:], [1] * 15, W, 16, 0.01, defer=True)
+    assert len(independent.counts.free) == rows and independent._gone == ["r0"]
     independent.fold()
     assert len(independent.counts.free) == rows + 1 and not independent._gone
     for i in range(300):  # no step folds (say, requests that end at their first token): still bounded

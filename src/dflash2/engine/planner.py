@@ -851,16 +851,24 @@ class Planner:
         self.last_run[width], self.current = self.steps, width
         if (bucket, 1) in self.costs and (bucket, self.width) in self.costs:
             self.ratio = self.costs[(bucket, 1)] / self.costs[(bucket, self.width)]
-        self.fold()  # an earlier deferred step first, in order
+        self._fold_pending()  # an earlier deferred step first, in order (the finished requests' rows
+        # are freed by the next fold, off the critical path: this step's counts leave them out)
         self._pending = (list(rids), list(accepted), width, confidence)
         if not defer:
             self.fold()
 
     def fold(self) -> None:
         """The deferred step's acceptance into the counts, and every request's reach recomputed for the
-        next choice. Why deferred: on the H200 at T=0 the planner's host work between steps made its
-        steps 2.6-3.9% dearer than the fixed width's (docs/benchmarks.md, twenty-first session); done
-        while the GPU runs the next step, it costs no wall time."""
+        next choice; then the finished requests' rows freed. Why deferred: on the H200 at T=0 the
+        planner's host work between steps made its steps 2.6-3.9% dearer than the fixed width's
+        (docs/benchmarks.md, twenty-first session); done while the GPU runs the next step, it costs no
+        wall time."""
+        self._fold_pending()
+        for rid in self._gone:  # after the step that saw them: its counts must not land in a reused row
+            self.counts.forget(rid)
+        self._gone.clear()
+
+    def _fold_pending(self) -> None:
         if self._pending is not None:
             rids, accepted, width, confidence = self._pending
             self._pending = None
@@ -871,9 +879,6 @@ class Planner:
             else:
                 self.counts.age(rids, self.cfg.decay)
             self.counts.refresh()
-        for rid in self._gone:  # after the step that saw them: its counts must not land in a reused row
-            self.counts.forget(rid)
-        self._gone.clear()
 
     def forget(self, rid: str) -> None:
         """A finished request's counts are dropped at the next :meth:`fold` (while the device runs the
