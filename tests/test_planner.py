@@ -827,6 +827,38 @@ def test_an_admission_round_prices_each_bucket_once(llama, monkeypatch):
     assert eng.stats.requests_not_drafting == 6
 
 
+def test_the_next_admission_is_priced_while_a_step_runs(llama, monkeypatch):
+    """With requests waiting behind a drafting batch, a step prices the next admission round in its
+    overlap (auto: the answer depends on the bucket alone); the round then asks the planner nothing and
+    admits with that answer."""
+    t, d = llama
+    eng = LLMEngine(
+        t,
+        d,
+        EngineConfig(
+            max_running_requests=2, num_draft_tokens=W, context_length=128, runner="static", speculative_planner="auto"
+        ),
+    )
+    prompts = [torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
+    reqs = [eng.add_request(Request(p, SamplingParams(max_new_tokens=40, ignore_eos=True))) for p in prompts]
+    while eng.stats.steps == 0:
+        eng.step()
+    assert all(r.speculate for r in reqs[:2]) and len(eng.scheduler.waiting) == 2
+    assert eng._admit_ahead == (eng.runner.bucket(2), True)  # priced during the step: the cold start drafts
+    calls = {"n": 0}
+
+    def counted(n, bucket):
+        calls["n"] += 1
+        return True
+
+    monkeypatch.setattr(eng.planner, "speculate_new", counted)
+    eng._admit_ahead = (eng.runner.bucket(2), False)  # (an answer the step could have given)
+    eng.abort(reqs[0].request_id)
+    eng._admit()
+    assert calls["n"] == 0 and reqs[2] in eng.scheduler.running and not reqs[2].speculate
+    assert eng._admit_ahead is None  # read once
+
+
 def test_a_runner_without_replays_measures_the_one_token_step_before_it_stops():
     """A static runner without CUDA graphs (widths 1 and W, no start-up profile): at 128 requests only
     the full width has run, and width 1 read off it by a small batch's ratio (0.2) prices drafting at a

@@ -253,6 +253,9 @@ class LLMEngine:
         # new requests whose prompt is in, and their first tokens on the device, read after the step
         self._due: list[tuple[list[tuple[Request, torch.Tensor]], torch.Tensor]] = []
         self._ahead: tuple[int, int] | None = None  # (bucket, width): the next step's, chosen during this one
+        # (bucket, whether a request admitted there drafts): the next admission round's answer, priced
+        # during this step (auto: the answer depends on the bucket alone)
+        self._admit_ahead: tuple[int, bool] | None = None
         self.heartbeat = time.monotonic()  # the loop's last pass (for /health)
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -544,7 +547,7 @@ class LLMEngine:
 
     def use_planner(self, planner: Planner) -> None:
         """Swap in another planner (:meth:`planner_for`, or one set aside): between generations only."""
-        self.planner, self._ahead = planner, None
+        self.planner, self._ahead, self._admit_ahead = planner, None, None
 
     def planner_for(self, mode: str, widths: str | None = None) -> Planner:
         """A fresh planner of ``mode`` choosing among ``widths`` between 1 and the full one, as an
@@ -598,6 +601,7 @@ class LLMEngine:
         admits). Why once: priced per admission it was ~14 us of host work each on the step's
         critical path, ~4 admissions a step at 128 requests (forty-fourth session)."""
         sched, planner, answers = self.scheduler, self.planner, {}
+        ahead, self._admit_ahead = self._admit_ahead, None
         # auto: a request joins a batch that does not draft without drafting, so batches are either
         # drafting or not, never mixed for long. Why: near break-even, admissions flipped either way
         # and a mixed batch runs width 1 with the drafter's upkeep (1.2x the target alone's step): on
@@ -612,11 +616,24 @@ class LLMEngine:
             # first of a burst saw a small batch where drafting pays and drafted into a large one
             n = max(n_running, min(sched.max_running, len(sched.running) + len(sched.waiting)))
             if n not in answers:  # (with a queue, n is the same for every admission of the round)
-                answers[n] = planner.speculate_new(n, self.runner.bucket(n))
+                b = self.runner.bucket(n)
+                answers[n] = ahead[1] if ahead is not None and ahead[0] == b else planner.speculate_new(n, b)
             plain = planner.adapts and not answers[n]
             return answers[n]
 
         return speculate
+
+    def _price_admission(self) -> tuple[int, bool] | None:
+        """The next admission round's answer (:meth:`_speculation`), priced while the device runs a step,
+        where requests wait and new ones would draft into a drafting batch (auto, whose answer depends on
+        the batch's bucket alone). Why: priced at admission it was ~0.06 ms of host work a step on the
+        critical path on the CPU at 128 requests, requests finishing every step (forty-fifth session)."""
+        sched = self.scheduler
+        if not (self.planner.adapts and sched.waiting and all(r.speculate for r in sched.running)):
+            return None
+        n = min(sched.max_running, len(sched.running) + len(sched.waiting))
+        b = self.runner.bucket(n)
+        return b, self.planner.speculate_new(n, b)
 
     def _decode_batch(self) -> list[Request]:
         """The running requests whose prompt is in, once KV room for their next block is reserved
@@ -660,6 +677,7 @@ class LLMEngine:
             if drafting:  # (None where the planner does not adapt)
                 nxt = self.planner.choose_ahead(rids, bucket, width)
                 self._ahead = None if nxt is None else (bucket, nxt)
+            self._admit_ahead = self._price_admission()
             self._prefill_some(defer=True)
 
         mix = self._mixed_chunk()
