@@ -72,9 +72,9 @@ MIXED_PREFILL_LENGTHS = (128, 256, 512)
 # 2.40x; at 64 x 5 (320) the step is compute-bound, the padded prompt adds its full cost and one prompt
 # a step admits slower than a batched prefill: 1.25-1.28 -> 1.19x (docs/benchmarks.md, 32nd session).
 MIXED_MAX_STEP_TOKENS = 128
-# Replay each graph once right after its capture (untimed; the warm-up calls before the capture ran the
-# same work twice, so the static buffers see nothing new): its first replay is then not a live step's
-# nor a profiled one's. Why: a step shape that runs seldom (a planner probe's) is priced from a few
+# Replay each graph once right after its capture (untimed; at start-up, over the idle slots that the
+# warm-up calls before the capture wrote twice already): its first replay is then not a live step's nor
+# a profiled one's. Why: a step shape that runs seldom (a planner probe's) is priced from a few
 # samples, and the first replay after capture is a cold one (the graph's upload, where the driver does it
 # at the first launch). A switch for `gpu.py steps --cold-replays`, which times that first replay.
 WARM_REPLAY = True

@@ -73,9 +73,9 @@ def sampling_row(sampling: SamplingParams, gen: Uniforms, g: int) -> np.ndarray:
 def draw_ahead(reqs, g: int) -> None:
     """Each live request's row for its next sampled step (:func:`sampling_row`), drawn while the device
     runs this one: the same numbers in the same order as drawn at that step (a request's stream is its
-    own); a request that finishes leaves its row unread. Why: drawing a batch's rows was 0.26-0.41 ms
-    of host work before each sampled step at 64-128 requests on an H100 (docs/benchmarks.md,
-    forty-fifth session), with the device idle."""
+    own); a request that finishes leaves its row unread. Why: drawing a batch's rows was 0.18-0.41 ms of
+    host work before each sampled step at 64-128 requests on an H100, the device idle; drawn ahead,
+    0.05-0.09 ms of it left the critical path, +1-3% tok/s (docs/benchmarks.md, forty-fifth session)."""
     for r in reqs:
         if r.drawn is None and not r.finished:
             r.drawn = sampling_row(r.sampling, r.generator, g)
