@@ -706,6 +706,8 @@ class LLMEngine:
             seconds = self.tp.share(seconds)
         t_obs = time.perf_counter()
         self._observe(reqs, out, drafting, plain, width, bucket, seconds)
+        if all(r.finished for r in reqs):  # no step of theirs follows whose overlap would free their rows
+            self.planner.fold()
         t_end = time.perf_counter()
         s = self.stats
         s.host_s += (t_run - t0) + (t_end - t_back)
