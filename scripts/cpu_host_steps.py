@@ -165,7 +165,7 @@ def main() -> None:
             print(f"  {k:<20} {v:7.3f} ms/step")
     print(f"  {'critical host':<20} {critical:7.3f} ms/step")
     if eng.planner.adapts:
-        print("  planner", json.dumps({k: v for k, v in eng.planner.state().items() if k != "cost_ms"}))
+        print("  planner", json.dumps(eng.planner.state()))
     print(
         "  widths",
         dict(eng.stats.steps_by_width),
