@@ -614,7 +614,7 @@ class LLMEngine:
                 return False
             # keyed on the batch these admissions make, the queue's included: admitted one by one, the
             # first of a burst saw a small batch where drafting pays and drafted into a large one
-            n = max(n_running, min(sched.max_running, len(sched.running) + len(sched.waiting)))
+            n = max(n_running, self._admission_size())
             if n not in answers:  # (with a queue, n is the same for every admission of the round)
                 b = self.runner.bucket(n)
                 answers[n] = ahead[1] if ahead is not None and ahead[0] == b else planner.speculate_new(n, b)
@@ -631,9 +631,14 @@ class LLMEngine:
         sched = self.scheduler
         if not (self.planner.adapts and sched.waiting and all(r.speculate for r in sched.running)):
             return None
-        n = min(sched.max_running, len(sched.running) + len(sched.waiting))
+        n = self._admission_size()
         b = self.runner.bucket(n)
         return b, self.planner.speculate_new(n, b)
+
+    def _admission_size(self) -> int:
+        """The batch an admission round makes, the queue's requests included (as many as fit)."""
+        sched = self.scheduler
+        return min(sched.max_running, len(sched.running) + len(sched.waiting))
 
     def _decode_batch(self) -> list[Request]:
         """The running requests whose prompt is in, once KV room for their next block is reserved
@@ -663,16 +668,17 @@ class LLMEngine:
         drafting = 0 < drafters == len(reqs)
         plain = self.draft is not None and not drafters  # the target alone, no drafter upkeep
         t_plan = time.perf_counter()
-        # drawn at the full width: a narrower step reads the first of each kind, and the next step's
-        # rows are drawn while the device runs this one (draw_ahead)
-        sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device, self.width - 1)
+        # drawn at the full width (G draws of each kind): a narrower step reads the first of each kind,
+        # and the next step's rows are drawn while the device runs this one (draw_ahead)
+        G = self.width - 1
+        sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device, G)
         t_run = time.perf_counter()
 
         def overlap() -> None:
             # host work while the device runs the step: the next step's draws, the last step's counts,
             # the next step's width, a prefill
             if not greedy:
-                draw_ahead(reqs, self.width - 1)
+                draw_ahead(reqs, G)
             self.planner.fold()
             if drafting:  # (None where the planner does not adapt)
                 nxt = self.planner.choose_ahead(rids, bucket, width)

@@ -63,11 +63,15 @@ def draw_uniforms(gen: Uniforms, g: int) -> np.ndarray:
     return gen.take(2 * g + 1)
 
 
+def sampling_params(sp: SamplingParams) -> tuple[float, int, float, float]:
+    """A request's parameters in the order of a sampled step's block (:meth:`BatchSampling.from_rows`)."""
+    return sp.temperature, sp.top_k, sp.top_p, sp.min_p
+
+
 def sampling_row(sampling: SamplingParams, gen: Uniforms, g: int) -> np.ndarray:
     """A request's row of a sampled step's block (:meth:`BatchSampling.from_rows`' layout at ``g``
     draws of each kind): its parameters, then its next ``2g + 1`` uniforms."""
-    params = np.array([sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p], np.float32)
-    return np.concatenate([params, draw_uniforms(gen, g)])
+    return np.concatenate([np.array(sampling_params(sampling), np.float32), draw_uniforms(gen, g)])
 
 
 def draw_ahead(reqs, g: int) -> None:
@@ -255,7 +259,7 @@ class BatchSampling:
         for the work queued on the stream, a prefill launched beside the last step for one: every sampled
         step, never a greedy one; one copy, not five: ~15 us of host each)."""
         host = np.asarray(uniforms, dtype=np.float32)
-        cols = np.array([(sp.temperature, sp.top_k, sp.top_p, sp.min_p) for sp in params], np.float32)
+        cols = np.array([sampling_params(sp) for sp in params], np.float32)
         block = h2d(np.concatenate([cols.reshape(-1, 4), host], 1), torch.float32, device)
         return cls.from_rows(block, (host.shape[1] - 1) // 2)
 
