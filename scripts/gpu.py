@@ -1541,8 +1541,9 @@ def fused_sampler_rows(dev: str, cuda: bool) -> dict:
     one kernel; the graphs' sampler on CUDA since the forty-second session) against the unfused path
     (probs_from_logits capturable with the truncation kernel): R rows of bf16 logits (64 and 128 requests x
     5 positions), T=1 top-p 0.95 with every fourth row greedy; rows kept identically, the largest
-    difference, ms per replay of each. ``c32`` / ``c64``: the threshold search that gathers the last 32 / 64
-    entries of its bracket (``compact``, not on by default)."""
+    difference, ms per replay of each. ``whole-row``: the threshold search over every entry of the row at
+    each pass (the kernel of sessions 42-45), against the default that passes over the entries left in
+    its bracket (``shrink``)."""
     import torch
     from dflash2.engine.graph_runner import Replay
     from dflash2.kernels.truncate import fused_probs
@@ -1560,25 +1561,25 @@ def fused_sampler_rows(dev: str, cuda: bool) -> dict:
         def unfused():
             res["unfused"] = probs_from_logits(logits, T, k, tp, mp, capturable=True, kernel="truncate")
 
-        def fused(key, nc, blk, nw, kc):
+        def fused(key, nc, blk, nw, shrink):
             res[key] = fused_probs(
-                logits, T[:, None], k[:, None], tp[:, None], mp[:, None], GREEDY_BELOW, nc, blk, nw, compact=kc
+                logits, T[:, None], k[:, None], tp[:, None], mp[:, None], GREEDY_BELOW, nc, blk, nw, shrink=shrink
             )
 
         n = 50 if cuda else 1
         row = out[f"R{R}"] = {"of": R, "ms_unfused": round(replay_ms(Replay(unfused, cuda), n), 4), "fused": {}}
         log(f"  fused sampler R{R}: unfused {row['ms_unfused']:.3f} ms")
-        # (thresholds per pass, entries per load, warps, compact): the default first
-        for nc, blk, nw, kc in (
-            (2, 4096, 16, 0),
-            (4, 4096, 16, 0),
-            (2, 4096, 16, 32),
-            (4, 4096, 16, 32),
-            (4, 4096, 16, 64),
-            (2, 2048, 8, 32),
+        # (thresholds per pass, entries per load, warps, shrink): the default first
+        for nc, blk, nw, shrink in (
+            (2, 4096, 16, True),
+            (2, 4096, 16, False),
+            (4, 4096, 16, True),
+            (2, 2048, 8, True),
+            (4, 2048, 8, True),
+            (2, 1024, 4, True),
         ):
-            key = f"nc{nc} b{blk} w{nw}" + (f" c{kc}" if kc else "")
-            ms = replay_ms(Replay(partial(fused, key, nc, blk, nw, kc), cuda), n)
+            key = f"nc{nc} b{blk} w{nw}" + ("" if shrink else " whole-row")
+            ms = replay_ms(Replay(partial(fused, key, nc, blk, nw, shrink), cuda), n)
             same = int(((res[key] > 0) == (res["unfused"] > 0)).all(-1).sum())
             diff = float((res[key] - res["unfused"]).abs().max())
             row["fused"][key] = {"ms": round(ms, 4), "same_kept_rows": same, "max_abs_diff": diff}
@@ -2170,7 +2171,7 @@ def main() -> None:
     )
     ap.add_argument("--engine-sampler", default="auto", help="engine: EngineConfig.sampler_backend of every row")
     ap.add_argument(
-        "--fused-compact", type=int, default=0, help="engine: the fused sampler's compact threshold search (0: off)"
+        "--fused-whole-row", action="store_true", help="engine: the fused sampler's search over whole rows (A/B)"
     )
     ap.add_argument("--sampler-backends", default="sort", help="steps: e.g. sort,triton (the sampled truncation)")
     ap.add_argument("--attn-shapes", default="smollm2,llama8b", help="attn: random targets of these shapes timed")
@@ -2288,10 +2289,10 @@ def main() -> None:
     ap.add_argument("--packed-max-tokens", type=int, default=None, help="graph_runner.PACKED_MAX_TOKENS")
     ap.add_argument("--mixed-max-tokens", type=int, default=None, help="graph_runner.MIXED_MAX_STEP_TOKENS")
     args = ap.parse_args()
-    if args.fused_compact:  # the fused sampler's threshold search, for an A/B
+    if args.fused_whole_row:  # the fused sampler's threshold search, for an A/B
         from dflash2 import sampling
 
-        sampling.FUSED_COMPACT = args.fused_compact
+        sampling.FUSED_SHRINK = False
     if args.fused_attention or args.split_softmax == "off":  # model/attention.py's switches, for an A/B
         from dflash2.model import attention
 

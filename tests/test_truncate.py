@@ -41,16 +41,14 @@ def test_kernel_keeps_what_the_sort_keeps():
 
 
 @needs_interpreter
-@pytest.mark.parametrize(
-    "dtype,compact", [(torch.bfloat16, 0), (torch.float32, 0), (torch.bfloat16, 4), (torch.float32, 32)]
-)
-def test_fused_kernel_equals_the_unfused_path(dtype, compact):
+@pytest.mark.parametrize("dtype,shrink", [(torch.bfloat16, True), (torch.float32, True), (torch.bfloat16, False)])
+def test_fused_kernel_equals_the_unfused_path(dtype, shrink):
     """fused_probs (temperature, softmax, truncation, renormalisation, greedy rows in one kernel) against
     probs_from_logits' graph path through the truncation kernel and through the sort: the same entries
     kept, the same probabilities to float32 rounding; greedy rows one-hot at the first argmax (an exact
-    tie at the top included); -inf logits (suppressed stop ids) get nothing. ``compact``: the threshold
-    search that gathers the last few entries of its bracket (a threshold taken anywhere else in the
-    bracket than the least entry that passes fails it)."""
+    tie at the top included); -inf logits (suppressed stop ids) get nothing. ``shrink``: the threshold
+    search over the entries left in its bracket (a wrong count or mass carried for those that left it
+    moves the threshold and fails the kept sets); else over the whole row."""
     g = torch.Generator().manual_seed(1)
     R, V = 32, 3000
     logits = (torch.randn(R, V, generator=g) * torch.linspace(0.3, 6, R)[:, None]).to(torch.bfloat16).to(dtype)
@@ -61,9 +59,7 @@ def test_fused_kernel_equals_the_unfused_path(dtype, compact):
     mp = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.0, 0.1, 0.0, 0.2] * 4)
     T = torch.tensor([1.0, 0.7, 0.0, 1.3] * 8)
     # 512 entries a load: the softmax's running sums, the argmax and the tie rank carried across blocks
-    got = fused_probs(
-        logits, T[:, None], k[:, None], tp[:, None], mp[:, None], GREEDY_BELOW, block=512, compact=compact
-    )
+    got = fused_probs(logits, T[:, None], k[:, None], tp[:, None], mp[:, None], GREEDY_BELOW, block=512, shrink=shrink)
     for kernel in ("truncate", None):
         ref = probs_from_logits(logits, T, k, tp, mp, capturable=True, kernel=kernel)
         assert torch.equal(got > 0, ref > 0)
@@ -73,11 +69,9 @@ def test_fused_kernel_equals_the_unfused_path(dtype, compact):
     torch.testing.assert_close(got.sum(-1), torch.ones(R))
     # nothing to truncate (top-k off, top-p 1, min-p 0): the softmax of logits / T
     off = (torch.full((R, 1), -1), torch.ones(R, 1), torch.zeros(R, 1))
-    none = fused_probs(logits, T[:, None], *off, GREEDY_BELOW, block=512, compact=compact)
+    none = fused_probs(logits, T[:, None], *off, GREEDY_BELOW, block=512, shrink=shrink)
     want = probs_from_logits(logits, T, -1, 1.0, 0.0, capturable=True, kernel="truncate")
     torch.testing.assert_close(none, want, rtol=1e-5, atol=1e-7)
-    with pytest.raises(ValueError, match="power of two"):
-        fused_probs(logits, T[:, None], *off, GREEDY_BELOW, compact=3)
 
 
 @needs_interpreter

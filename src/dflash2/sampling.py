@@ -186,9 +186,9 @@ def _truncate_staged(P, K, TP, MP) -> torch.Tensor:
     return out
 
 
-# the fused kernel's threshold search: 0 bisects to the last float bit; K (a power of two) gathers the
-# bracket's last K entries and picks among them (kernels/truncate.fused_probs; not the default until timed)
-FUSED_COMPACT = 0
+# the fused kernel's threshold search over the entries still in its bracket (False: over the whole row,
+# as before the forty-sixth session; kernels/truncate.fused_probs), for an A/B
+FUSED_SHRINK = True
 
 
 def probs_from_logits(
@@ -223,9 +223,7 @@ def probs_from_logits(
         from .kernels.truncate import fused_probs
 
         rows = logits.reshape(-1, V)
-        kept = fused_probs(
-            rows, per_row(temp), per_row(k), per_row(tp), per_row(mp), GREEDY_BELOW, compact=FUSED_COMPACT
-        )
+        kept = fused_probs(rows, per_row(temp), per_row(k), per_row(tp), per_row(mp), GREEDY_BELOW, shrink=FUSED_SHRINK)
         return kept.reshape(logits.shape)
     logits = logits.float()
     greedy = temp < GREEDY_BELOW
