@@ -246,9 +246,9 @@ if triton is not None:
         mass and count of the row above it, each pass over ``S[:n]`` only: the row's entries in the
         bracket ``[lo, hi]`` (gathered by the caller). Entries below the bracket are never above a
         threshold tried; those above it are counted once, when they leave it. Whenever the bracket holds
-        at most half of ``S``, ``S`` is gathered down to it. Why: bisecting over the whole row took ~17
-        passes of 49,152 entries (0.50 ms for 320 rows on the H100, forty-fifth session); after a few
-        passes here the bracket holds a few hundred."""
+        at most half of ``S``, ``S`` is gathered down to it. Why: bisecting over the whole row is ~17
+        passes of 49,152 entries; this way the fused kernel was 3-15% quicker on the H100 at 64-640 rows
+        (docs/benchmarks.md, forty-sixth session)."""
         js = tl.arange(0, NC)
         c_base = tl.zeros([], dtype=tl.int32)  # the entries above S's bracket: count, mass
         m_base = tl.zeros([], dtype=tl.float32)
