@@ -1,0 +1,139 @@
+"""#22 at one request, offline: the planner (engine/planner.py, the real class) replayed over traced
+full-width steps (``scripts/confidence_trace.py --width 5``), each request alone and in turn, with
+given step costs (ms of a width-1 and a full-width step at one request, e.g. the H100's live ones).
+A step the planner runs at width 1 commits one token and uses up the traced step it stands for;
+a full-width step commits the traced step's ``n + 1``. Prints tokens per ms of the fixed width and
+of each planner config, and how often acceptance recovers after a run of empty steps. Why: on the
+H100 at one held-out request, T=1, auto served 5% under the fixed width (1.13x against 1.19x of the
+target alone, docs/benchmarks.md, forty-fifth session) by going to width 1 after bad steps.
+
+    .venv/bin/python scripts/cpu_planner_replay.py docs/cpu_2026-12-06_planner_replay/trace_w5.jsonl \\
+        --suite heldout --temperature 1 --costs 1.82,2.71 --configs "prior_weight=2;default;prior_weight=16"
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def load(path: str, temperature: float | None, suite: str | None) -> list[list[int]]:
+    """Each traced request's accepted counts, in trace order (``suite``: those whose suite starts so)."""
+    reqs: dict[tuple, list[int]] = collections.OrderedDict()
+    for line in open(path):
+        s = json.loads(line)
+        if (temperature is None or s["T"] == temperature) and (suite is None or s["suite"].startswith(suite)):
+            reqs.setdefault((s["T"], s["suite"], s["prompt"]), []).append(int(s["n"]))
+    return list(reqs.values())
+
+
+def replay(
+    reqs: list[list[int]], width: int, costs: tuple[float, float], overrides: dict | None, stay: bool = False
+) -> dict:
+    """Tokens per ms over every request in turn: the fixed width (``overrides`` None) or the planner.
+    ``stay``: a width-1 step leaves the traced step it stood for to the next step (the text moved on by
+    one token only: a run of bad steps is not skipped), a bound on the other side."""
+    from dflash2.engine.planner import Planner, PlannerConfig
+
+    planner = None
+    if overrides is not None:
+        cfg = PlannerConfig(mode="auto", **overrides)
+        planner = Planner(width, cfg, costs={(1, 1): costs[0] / 1e3, (1, width): costs[1] / 1e3})
+    tokens, ms, ones, steps = 0, 0.0, 0, 0
+    for k, ns in enumerate(reqs):
+        rid = f"r{k}"
+        i = 0
+        while i < len(ns):
+            n = ns[i]
+            w = width if planner is None else planner.choose([rid], 1)
+            i += 1 if w == width or not stay else 0
+            got = n if w == width else 0
+            tokens, ms, ones, steps = tokens + got + 1, ms + costs[w == width], ones + (w == 1), steps + 1
+            if planner is not None:
+                planner.observe([rid], [got], w, 1, None)
+        if planner is not None:
+            planner.forget(rid)
+    return {"tokens_per_ms": tokens / ms, "width1_share": ones / max(steps, 1)}
+
+
+def recovery(reqs: list[list[int]], run: int) -> tuple[float, float, int]:
+    """P(a step accepts any draft), unconditionally and after ``run`` empty steps in a row (and how
+    many such steps there were)."""
+    after, hits, total, any_ = 0, 0, 0, 0
+    for ns in reqs:
+        for i, n in enumerate(ns):
+            total += 1
+            any_ += n > 0
+            if i >= run and all(x == 0 for x in ns[i - run : i]):
+                after += 1
+                hits += n > 0
+    return any_ / total, hits / max(after, 1), after
+
+
+def log_loss(reqs: list[list[int]], width: int, overrides: dict) -> float:
+    """Mean log-loss of each request's estimated acceptance per position (the planner's
+    AcceptanceCounts with this config), every estimate made before its step is seen: how well a
+    config's per-request estimate predicts the next step."""
+    import math
+
+    import numpy as np
+
+    from dflash2.engine.planner import AcceptanceCounts, PlannerConfig
+
+    cfg = PlannerConfig(mode="auto", **overrides)
+    counts = AcceptanceCounts(width - 1, cfg.prior, cfg.prior_weight, cfg.prior_drafts)
+    loss, seen = 0.0, 0
+    for k, ns in enumerate(reqs):
+        rid = f"r{k}"
+        for n in ns:
+            rates = np.clip(counts.rates([rid])[0], 1e-4, 1 - 1e-4)
+            for i in range(min(n + 1, width - 1)):  # positions reached: i <= n
+                loss -= math.log(rates[i] if i < n else 1 - rates[i])
+                seen += 1
+            counts.observe([rid], [n], width - 1, cfg.decay, cfg.global_decay)
+        counts.forget(rid)
+    return loss / max(seen, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace")
+    ap.add_argument("--costs", default="1.82,2.71", help="ms of a width-1 step and of a full-width one")
+    ap.add_argument("--width", type=int, default=5)
+    ap.add_argument("--temperature", type=float, default=None)
+    ap.add_argument("--suite", default=None, help="only the trace's suites that start so (heldout, gsm8k)")
+    ap.add_argument("--configs", default="default", help="';'-separated PlannerConfig overrides, k=v,k=v")
+    args = ap.parse_args()
+    reqs = load(args.trace, args.temperature, args.suite)
+    c1, cw = (float(x) for x in args.costs.split(","))
+    steps = sum(len(ns) for ns in reqs)
+    al = sum(n + 1 for ns in reqs for n in ns) / steps
+    print(f"{len(reqs)} requests, {steps} full-width steps, AL {al:.2f}; costs {c1} / {cw} ms")
+    for run in (1, 2, 3):
+        p, q, m = recovery(reqs, run)
+        print(f"  P(any draft accepted) {p:.3f}; after {run} empty step(s) {q:.3f} ({m} steps)")
+    fixed = replay(reqs, args.width, (c1, cw), None)["tokens_per_ms"]
+    print(f"  target alone {1 / c1:.3f} tokens/ms; fixed w{args.width} {fixed:.3f} ({fixed * c1:.3f}x)")
+    for spec in args.configs.split(";"):
+        over = {} if spec == "default" else {k: float(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+        over = {
+            k: int(v) if k in ("probe_every", "retire_every", "stale_after", "plain_probes") else v
+            for k, v in over.items()
+        }
+        print(f"  auto {spec:<32} log-loss of the per-request estimate {log_loss(reqs, args.width, over):.4f}")
+        for stay in (False, True):
+            r = replay(reqs, args.width, (c1, cw), over, stay)
+            print(
+                f"  auto {spec:<32} {'stays' if stay else 'skips'} {r['tokens_per_ms']:.3f} tokens/ms "
+                f"({r['tokens_per_ms'] / fixed:.3f} of fixed), width 1 in {100 * r['width1_share']:.1f}% of steps"
+            )
+
+
+if __name__ == "__main__":
+    main()
