@@ -796,6 +796,7 @@ def stage_engine(args) -> None:
             keep,
             shared,
             attention_backends=tuple(args.attention_backends.split(",")),
+            engine_kw={"enable_mixed_chunk": {"auto": None, "on": True, "off": False}[args.mixed_chunk]},
         )
         print(f"engine, CUDA graphs, bf16, {set_name}, T={temp}\n" + engine_speed.table(rows), flush=True)
         keep(rows)
@@ -2282,7 +2283,7 @@ def main() -> None:
         "--mixed-chunk",
         choices=("auto", "on", "off"),
         default="auto",
-        help="shape: --enable-mixed-chunk for every engine (target alone too); auto: the engine's default",
+        help="shape, engine: --enable-mixed-chunk for every engine (target alone too); auto: the engine's default",
     )
     ap.add_argument("--prefill-packed", action="store_true", help="shape: packed prefill vs each prompt alone, timed")
     ap.add_argument("--prefill-tokens", default=None, help="graph_runner.PREFILL_TOKENS for this call")
