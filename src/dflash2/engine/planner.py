@@ -107,11 +107,10 @@ class PlannerConfig:
     # predict its next one weakly (after two empty steps a draft is still accepted 43% of the time against
     # 50% overall, held-out chat at T=1), and with 2 a few bad steps sent one request to width 1 for ~10
     # steps (on the H100 at one held-out request, T=1, auto served 5% under the fixed width, in part other
-    # sampled texts: 4 requests a round). Over traced
-    # CPU steps (scripts/cpu_planner_replay.py, 60 held-out and 12 GSM8K requests, T=0 and 1) 8 predicts
-    # the next step better than 2 everywhere (log-loss 0.687 against 0.702 held-out T=1) and keeps auto
-    # within 1% of the fixed width at one request; a request that never accepts still goes to width 1
-    # (docs/benchmarks.md, forty-sixth session)
+    # sampled texts: 4 requests a round). Over traced CPU steps (scripts/cpu_planner_replay.py, 60
+    # held-out and 12 GSM8K requests, T=0 and 1) 8 predicts the next step better than 2 everywhere
+    # (log-loss 0.687 against 0.702 held-out T=1) and keeps auto within 1% of the fixed width at one
+    # request; a request that never accepts still goes to width 1 (docs/benchmarks.md, forty-sixth session)
     prior_weight: float = 8.0
     prior_drafts: float = 20.0  # pseudo-drafts of the prior in every request's estimate, per position
     decay: float = 0.9  # per step, on a request's counts (recent steps matter most)
