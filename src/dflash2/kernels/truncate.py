@@ -98,7 +98,8 @@ def fused_probs(
     if not use_triton(logits.device):
         raise RuntimeError("the fused sampler kernel needs Triton (CUDA, or TRITON_INTERPRET=1)")
     R, V = logits.shape
-    block, num_warps = block or fused_launch(R)[0], num_warps or fused_launch(R)[1]
+    auto_block, auto_warps = fused_launch(R)
+    block, num_warps = block or auto_block, num_warps or auto_warps
     x = logits.contiguous()
     out = torch.empty(R, V, dtype=torch.float32, device=x.device)
     scratch = torch.empty(R if shrink else 1, V if shrink else 1, dtype=torch.float32, device=x.device)
@@ -139,13 +140,17 @@ if triton is not None:
         return (((mass <= tp).to(tl.int32) | no_p) & ((count < k).to(tl.int32) | no_k)) != 0
 
     @triton.jit
+    def _lower_end(V, tp, top_p):
+        """The threshold search's lower end as a float: (1 - tp) / 2V under top-p (see :func:`_bracket`), else 0."""
+        return tl.where(top_p, 0.5 * (1.0 - tp) / V, 0.0)
+
+    @triton.jit
     def _bracket(V, tp, top_k, top_p, vmax):
         """The threshold search's start (float bits): ``hi`` at the row's largest entry, where the test
         passes; ``lo`` at (1 - tp) / 2V under top-p (below (1 - tp) / V it fails: the entries at or
         below x hold at most V * x; halved for rounding), else 0; and the rules that are off, as ints."""
         hi = vmax.to(tl.int32, bitcast=True)
-        x0 = tl.where(top_p, 0.5 * (1.0 - tp) / V, 0.0)
-        lo = tl.minimum(x0.to(tl.int32, bitcast=True), hi)
+        lo = tl.minimum(_lower_end(V, tp, top_p).to(tl.int32, bitcast=True), hi)
         return lo, hi, (~top_p).to(tl.int32), (~top_k).to(tl.int32)
 
     @triton.jit
@@ -241,7 +246,7 @@ if triton is not None:
         return m
 
     @triton.jit
-    def _threshold_shrink(S, n, k, tp, top_k, top_p, lo, hi, BLOCK: tl.constexpr, NC: tl.constexpr):
+    def _threshold_shrink(S, n, k, tp, no_p, no_k, lo, hi, BLOCK: tl.constexpr, NC: tl.constexpr):
         """:func:`_threshold`'s answer (the smallest x, as float bits, that passes :func:`_ok`) with the
         mass and count of the row above it, each pass over ``S[:n]`` only: the row's entries in the
         bracket ``[lo, hi]`` (gathered by the caller). Entries below the bracket are never above a
@@ -259,7 +264,7 @@ if triton is not None:
             mids, m, c = _split(S, n, lo, hi, js, BLOCK, NC)
             m += m_base
             c += c_base
-            ok = _ok(m, c, tp, k, 1 - top_p.to(tl.int32), 1 - top_k.to(tl.int32))  # monotone in x
+            ok = _ok(m, c, tp, k, no_p, no_k)  # monotone in x: False .. False True .. True
             j_hi = tl.min(tl.where(ok, js, NC), 0)  # the first that passes: the new hi
             j_lo = tl.max(tl.where(ok, -1, js), 0)  # the last that fails: the new lo is just above it
             c_hi = tl.where(j_hi < NC, tl.sum(tl.where(js == j_hi, c, 0), 0), c_hi)
@@ -306,8 +311,7 @@ if triton is not None:
         # pass 2: the probabilities into the row (a greedy row: one-hot at the first argmax); SHRINK: the
         # entries at or above the search's lower end gathered into S as they go (below it, an entry is
         # never above a threshold the search tries: see _bracket)
-        x0 = tl.where(top_p, 0.5 * (1.0 - tp) / V, 0.0)
-        gather_from = tl.where(top_k | top_p, x0, float("inf"))  # (no search: nothing to gather)
+        gather_from = tl.where(top_k | top_p, _lower_end(V, tp, top_p), float("inf"))  # (no search: none)
         n = tl.zeros([], dtype=tl.int32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -327,9 +331,9 @@ if triton is not None:
             # (x / T and the softmax are monotone, so no entry lies above it)
             vmax = tl.load(O + best_i)
             if SHRINK:
-                lo, hi, _, _ = _bracket(V, tp, top_k, top_p, vmax)
+                lo, hi, no_p, no_k = _bracket(V, tp, top_k, top_p, vmax)
                 hi = tl.where(top_k | top_p, hi, lo)  # min-p alone: every x passes, so the answer is lo
-                t, mass, count = _threshold_shrink(S, n, k, tp, top_k, top_p, lo, hi, BLOCK, NC)
+                t, mass, count = _threshold_shrink(S, n, k, tp, no_p, no_k, lo, hi, BLOCK, NC)
             else:
                 t = _threshold(O, V, k, tp, top_k, top_p, vmax, BLOCK, NC)
                 mass, count = _row_stats(O, V, t, BLOCK)
