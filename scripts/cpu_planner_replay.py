@@ -34,22 +34,44 @@ def load(path: str, temperature: float | None, suite: str | None) -> list[list[i
 
 
 def replay(
-    reqs: list[list[int]], width: int, costs: tuple[float, float], overrides: dict | None, stay: bool = False
+    reqs: list[list[int]],
+    width: int,
+    costs: tuple[float, float],
+    overrides: dict | None,
+    stay: bool = False,
+    plain_ms: float | None = None,
+    fade: bool = True,
 ) -> dict:
     """Tokens per ms over every request in turn: the fixed width (``overrides`` None) or the planner.
     ``stay``: a width-1 step leaves the traced step it stood for to the next step (the text moved on by
-    one token only: a run of bad steps is not skipped), a bound on the other side."""
+    one token only: a run of bad steps is not skipped), a bound on the other side. ``plain_ms``: the
+    target alone's step, and the planner's admission and retirement with it (a request that does not
+    draft, or stops, runs its text's remaining tokens at that cost; ``fade``: those steps fade what
+    was seen toward the prior, as in the engine)."""
     from dflash2.engine.planner import Planner, PlannerConfig
 
     planner = None
     if overrides is not None:
         cfg = PlannerConfig(mode="auto", **overrides)
-        planner = Planner(width, cfg, costs={(1, 1): costs[0] / 1e3, (1, width): costs[1] / 1e3})
-    tokens, ms, ones, steps = 0, 0.0, 0, 0
+        given = {(1, 1): costs[0] / 1e3, (1, width): costs[1] / 1e3}
+        planner = Planner(width, cfg, costs=given | ({(1, 0): plain_ms / 1e3} if plain_ms else {}))
+    tokens, ms, ones, steps, plain_reqs = 0, 0.0, 0, 0, 0
     for k, ns in enumerate(reqs):
         rid = f"r{k}"
         i = 0
+        if planner is not None and plain_ms is not None and not planner.speculate_new(1, 1):
+            i, plain_reqs = len(ns), plain_reqs + 1
+            left = sum(n + 1 for n in ns)
+            tokens, ms = tokens + left, ms + left * plain_ms
+            for _ in range(left):
+                planner.observe_plain(1, None, rows=int(fade))
         while i < len(ns):
+            if planner is not None and plain_ms is not None and planner.retire(1):
+                left = sum(n + 1 for n in ns[i:])
+                tokens, ms, i = tokens + left, ms + left * plain_ms, len(ns)
+                for _ in range(left):
+                    planner.observe_plain(1, None, rows=int(fade))
+                break
             n = ns[i]
             w = width if planner is None else planner.choose([rid], 1)
             i += 1 if w == width or not stay else 0
@@ -59,7 +81,7 @@ def replay(
                 planner.observe([rid], [got], w, 1, None)
         if planner is not None:
             planner.forget(rid)
-    return {"tokens_per_ms": tokens / ms, "width1_share": ones / max(steps, 1)}
+    return {"tokens_per_ms": tokens / ms, "width1_share": ones / max(steps, 1), "plain_requests": plain_reqs}
 
 
 def recovery(reqs: list[list[int]], run: int) -> tuple[float, float, int]:
@@ -109,8 +131,10 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=None)
     ap.add_argument("--suite", default=None, help="only the trace's suites that start so (heldout, gsm8k)")
     ap.add_argument("--configs", default="default", help="';'-separated PlannerConfig overrides, k=v,k=v")
+    ap.add_argument("--plain-ms", type=float, default=None, help="the target alone's step: admission too")
+    ap.add_argument("--repeat", type=int, default=1, help="the requests this many times over, in turn")
     args = ap.parse_args()
-    reqs = load(args.trace, args.temperature, args.suite)
+    reqs = load(args.trace, args.temperature, args.suite) * args.repeat
     c1, cw = (float(x) for x in args.costs.split(","))
     steps = sum(len(ns) for ns in reqs)
     al = sum(n + 1 for ns in reqs for n in ns) / steps
@@ -128,11 +152,14 @@ def main() -> None:
         }
         print(f"  auto {spec:<32} log-loss of the per-request estimate {log_loss(reqs, args.width, over):.4f}")
         for stay in (False, True):
-            r = replay(reqs, args.width, (c1, cw), over, stay)
-            print(
-                f"  auto {spec:<32} {'stays' if stay else 'skips'} {r['tokens_per_ms']:.3f} tokens/ms "
-                f"({r['tokens_per_ms'] / fixed:.3f} of fixed), width 1 in {100 * r['width1_share']:.1f}% of steps"
-            )
+            for fade in (True, False) if args.plain_ms else (True,):
+                r = replay(reqs, args.width, (c1, cw), over, stay, args.plain_ms, fade)
+                tag = f"{'stays' if stay else 'skips'}{(' fade ' + ('on' if fade else 'off')) if args.plain_ms else ''}"
+                print(
+                    f"  auto {spec:<32} {tag} {r['tokens_per_ms']:.3f} tokens/ms ({r['tokens_per_ms'] / fixed:.3f} "
+                    f"of fixed), width 1 in {100 * r['width1_share']:.1f}% of steps, {r['plain_requests']} of "
+                    f"{len(reqs)} requests admitted without drafting"
+                )
 
 
 if __name__ == "__main__":

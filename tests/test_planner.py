@@ -1346,3 +1346,28 @@ def test_sampled_distribution_exact_while_the_confidence_trims(method):
     widths = eng.stats.steps_by_width
     assert eng.stats.steps_trimmed > 0 and len([w for w in widths if w > 1]) >= 2, widths
     assert _chi2_ok(triples, joint)
+
+
+def test_a_load_that_stopped_drafting_tries_again_once_what_it_saw_is_old():
+    """One request at a time (H100-like one-request costs): requests whose drafts seldom pass stop the
+    next admission drafting; steps of the target alone then fade what was seen back toward the prior
+    (nothing new is observed without drafts), so a later request drafts again and measures; and not
+    before the window of ``plain_fade`` has mostly passed (no drafting request after every plain one)."""
+    p = Planner(W, PlannerConfig(mode="auto"), costs={(1, 0): 1.6e-3, (1, 1): 1.7e-3, (1, W): 2.6e-3})
+    for k in range(4):  # four requests of 64 steps whose first draft passes one time in five
+        for i in range(64):
+            p.observe([f"r{k}"], [int(i % 5 == 0)], W, 1, 2.6e-3)
+        p.forget(f"r{k}")
+    p.fold()
+    assert p.drafting_gain(1) < 1 and not p.speculate_new(1, 1)
+    gains = []
+    for _ in range(10):  # ten requests of 128 tokens, the target alone
+        for _ in range(128):
+            p.observe_plain(1, 1.6e-3, rows=1)
+        gains.append(p.drafting_gain(1))
+    assert gains == sorted(gains)  # the observed rates fade toward the prior, step by step
+    assert gains[0] < 1 and p.speculate_new(1, 1)
+    drafts_again = next(i for i, g in enumerate(gains) if g >= 1 + p.cfg.hysteresis)
+    assert 2 <= drafts_again <= 6, gains
+    p.observe_plain(1, 1.6e-3)  # no rows (a cost alone): nothing fades
+    assert p.drafting_gain(1) == gains[-1]

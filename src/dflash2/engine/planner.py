@@ -124,6 +124,14 @@ class PlannerConfig:
     # steps alone, and on the H200 at one request a run of bad drafts admitted the next request
     # without drafting (1.09x of the target alone where the fixed width gave 1.32x)
     global_decay: float = 0.995
+    # per request-step of the target alone, on what every request's drafts showed (the prior's
+    # pseudo-drafts come back in its place: :meth:`AcceptanceCounts.fade`), so a load that stopped drafting
+    # tries it again. Why 0.998 (~500 request-steps, ~4 requests of 128 tokens at one request): replayed
+    # over traced held-out T=1 steps with one-request costs (scripts/cpu_planner_replay.py --plain-ms),
+    # auto stays within 2.2% of the fixed width where drafting pays 1.17-1.25x and within 2% of the
+    # target alone where it loses (0.8-0.98x); 0.995 lost 4% there, 0.999 3% where drafting paid;
+    # without it, 141 of 180 requests never drafted (0.88 of the fixed width; forty-seventh session)
+    plain_fade: float = 0.998
     # drafting's break-even is checked every this many steps (retirement is for good, so a few steps
     # late costs little; checked every step it was ~15-35 us of host work a step on the CPU)
     retire_every: int = 8
@@ -149,7 +157,7 @@ class PlannerConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"--speculative-planner must be one of {MODES}, got {self.mode!r}")
-        names = ("hysteresis", "prior", "decay", "cost_decay", "between_margin", "global_decay", "probe_reach")
+        names = ("hysteresis", "prior", "decay", "cost_decay", "between_margin", "global_decay", "probe_reach", "plain_fade")
         for name in (*names, "confidence_decay"):
             v = getattr(self, name)
             if not 0 <= v < 1 + (name == "hysteresis") * 9:
@@ -183,7 +191,7 @@ class AcceptanceCounts:
         # before it. Why: with 0.9 there, a first-draft rate of ~0.4 still priced a full block at 3.8
         # tokens a row, and the CPU planner ran 16-row full blocks at T=1 that cost 5x a one-token step
         # (docs/benchmarks.md, twenty-ninth session).
-        self.pseudo = float(prior_drafts)
+        self.pseudo = self.prior_drafts = float(prior_drafts)
         self.total = np.zeros((2, positions))  # [(accepted, reached), P], observed, decayed
         self._prior_rates = self._rates_of_total()
         # every row's P(draft i accepted) (the cumulative product of its rates), kept between steps so
@@ -252,6 +260,19 @@ class AcceptanceCounts:
         hist = np.bincount(n, minlength=self.P + 1)
         self.total = global_decay ** len(rids) * self.total + (hist @ add.reshape(len(hist), -1)).reshape(2, -1)
         self.pseudo *= global_decay ** len(rids)
+        self._prior_rates = self._rates_of_total()
+        self._reach = None
+
+    def fade(self, rows: int, global_decay: float) -> None:
+        """A step of ``rows`` requests that do not draft: every request's observed counts fade and the
+        prior's pseudo-drafts come back in their place, so a load that stopped drafting tries it again
+        once what it saw is old (~``1 / (1 - global_decay)`` request-steps). Why: without drafts nothing
+        was observed, and one stop at admission was for good: on the H100 at one held-out request, T=1,
+        width 8, the first ten prompts' rates (0.42) stopped drafting for every later one, 1.00x of the
+        target alone where the fixed width served 1.16x (docs/benchmarks.md, forty-seventh session)."""
+        f = global_decay**rows
+        self.total *= f
+        self.pseudo = f * self.pseudo + (1 - f) * self.prior_drafts
         self._prior_rates = self._rates_of_total()
         self._reach = None
 
@@ -678,10 +699,15 @@ class Planner:
         )
         del self.decisions[:-keep]
 
-    def observe_plain(self, bucket: int, seconds: float | None) -> None:
-        """A step of requests that do not draft: the target alone's cost at ``bucket`` (width 0)."""
-        if self.adapts and seconds is not None:
+    def observe_plain(self, bucket: int, seconds: float | None, rows: int = 0) -> None:
+        """A step of ``rows`` requests that do not draft: the target alone's cost at ``bucket`` (width
+        0), and every request's acceptance fading back toward the prior (:meth:`AcceptanceCounts.fade`)."""
+        if not self.adapts:
+            return
+        if seconds is not None:
             self._measure((bucket, 0), seconds)
+        if rows:
+            self.counts.fade(rows, self.cfg.plain_fade)
 
     def _measure(self, key: tuple[int, int], seconds: float) -> None:
         # the plain mean of the first samples, then the moving average (a cost given without samples, an
