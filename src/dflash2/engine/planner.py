@@ -157,7 +157,16 @@ class PlannerConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"--speculative-planner must be one of {MODES}, got {self.mode!r}")
-        names = ("hysteresis", "prior", "decay", "cost_decay", "between_margin", "global_decay", "probe_reach", "plain_fade")
+        names = (
+            "hysteresis",
+            "prior",
+            "decay",
+            "cost_decay",
+            "between_margin",
+            "global_decay",
+            "probe_reach",
+            "plain_fade",
+        )
         for name in (*names, "confidence_decay"):
             v = getattr(self, name)
             if not 0 <= v < 1 + (name == "hysteresis") * 9:
