@@ -64,13 +64,13 @@ def replay(
             left = sum(n + 1 for n in ns)
             tokens, ms = tokens + left, ms + left * plain_ms
             for _ in range(left):
-                planner.observe_plain(1, None, rows=int(fade))
+                planner.observe_plain(1, None, fade=fade)
         while i < len(ns):
             if planner is not None and plain_ms is not None and planner.retire(1):
                 left = sum(n + 1 for n in ns[i:])
                 tokens, ms, i = tokens + left, ms + left * plain_ms, len(ns)
                 for _ in range(left):
-                    planner.observe_plain(1, None, rows=int(fade))
+                    planner.observe_plain(1, None, fade=fade)
                 break
             n = ns[i]
             w = width if planner is None else planner.choose([rid], 1)

@@ -445,6 +445,30 @@ def test_warm_up_drafts_then_starts_fresh(llama):
     assert eng.stats.completed == 3
 
 
+def test_steps_of_the_target_alone_fade_what_drafts_showed(llama, monkeypatch):
+    """Auto, requests admitted without drafting (the planner's answer): each of their steps fades every
+    request's observed acceptance toward the prior (``plain_fade``), so a load that stopped drafting
+    tries again later; the output is still the target's greedy."""
+    t, d = llama
+    cfg = EngineConfig(max_running_requests=2, num_draft_tokens=5, context_length=128, max_total_tokens=4096,
+                       page_size=8, speculative_planner="auto")  # fmt: skip
+    eng = LLMEngine(t, d, cfg)
+    p = eng.planner
+    monkeypatch.setattr(p, "speculate_new", lambda n, b: False)
+    p.counts.total[:] = [[10.0] * 4, [200.0] * 4]  # drafts seldom passed (rate 0.05), long ago
+    p.counts.pseudo = 0.0
+    p.counts._prior_rates = p.counts._rates_of_total()
+    before = p.counts.prior_rates().copy()
+    prompts = _prompts(2, seed=3)
+    res = eng.generate([x.tolist() for x in prompts], SamplingParams(max_new_tokens=10))
+    for x, r in zip(prompts, res):
+        assert r.token_ids == hf_greedy(t, x, 10)
+    steps = eng.stats.steps
+    assert eng.stats.requests_not_drafting == 2 and steps >= 9
+    assert p.counts.total[1, 0] == pytest.approx(200.0 * p.cfg.plain_fade**steps)
+    assert (p.counts.prior_rates() > before).all()
+
+
 @pytest.mark.parametrize("lengths,rows", [((40,), 4), ((40, 17, 5), 4), ((40, 17, 5, 30, 9), 4)])
 def test_packed_prefill_equals_the_eager_prefill(llama, lengths, rows):
     """New requests' first chunks, prefilled alone or together, packed back to back and padded to a

@@ -794,7 +794,7 @@ class LLMEngine:
                 confidence=None if out.confidence is None else out.confidence[live],
             )
         elif plain:
-            self.planner.observe_plain(bucket, cost, len(reqs))
+            self.planner.observe_plain(bucket, cost, fade=True)
 
     def _prefill_some(self, defer: bool = False) -> None:
         """Up to ``chunked_prefill_size`` prompt tokens, oldest admitted first; a request whose prompt

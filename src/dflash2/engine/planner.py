@@ -124,13 +124,16 @@ class PlannerConfig:
     # steps alone, and on the H200 at one request a run of bad drafts admitted the next request
     # without drafting (1.09x of the target alone where the fixed width gave 1.32x)
     global_decay: float = 0.995
-    # per request-step of the target alone, on what every request's drafts showed (the prior's
-    # pseudo-drafts come back in its place: :meth:`AcceptanceCounts.fade`), so a load that stopped drafting
-    # tries it again. Why 0.998 (~500 request-steps, ~4 requests of 128 tokens at one request): replayed
-    # over traced held-out T=1 steps with one-request costs (scripts/cpu_planner_replay.py --plain-ms),
-    # auto stays within 2.2% of the fixed width where drafting pays 1.17-1.25x and within 2% of the
-    # target alone where it loses (0.8-0.98x); 0.995 lost 4% there, 0.999 3% where drafting paid;
-    # without it, 141 of 180 requests never drafted (0.88 of the fixed width; forty-seventh session)
+    # per step of the target alone, on what every request's drafts showed (the prior's pseudo-drafts come
+    # back in its place: :meth:`AcceptanceCounts.fade`), so a load that stopped drafting tries it again.
+    # Why 0.998 (~500 steps, ~4 requests of 128 tokens at one request): replayed over traced held-out T=1
+    # steps with one-request costs (scripts/cpu_planner_replay.py --plain-ms), auto stays within 2.2% of
+    # the fixed width where drafting pays 1.17-1.25x and within 2% of the target alone where it loses
+    # (0.8-0.98x); 0.995 lost 4% there, 0.999 3% where drafting paid; without it, 141 of 180 requests
+    # never drafted (0.88 of the fixed width; forty-seventh session). Per step, not per request-step:
+    # a batch that does not draft keeps admitting requests that do not (one width a step), so the load
+    # tries again when it next drains, a whole wave drafting at once; per request-step that was every
+    # burst at 16 requests (~30 steps), where a wave that cannot pay costs ~8 one-token steps (the CPU)
     plain_fade: float = 0.998
     # drafting's break-even is checked every this many steps (retirement is for good, so a few steps
     # late costs little; checked every step it was ~15-35 us of host work a step on the CPU)
@@ -272,16 +275,15 @@ class AcceptanceCounts:
         self._prior_rates = self._rates_of_total()
         self._reach = None
 
-    def fade(self, rows: int, global_decay: float) -> None:
-        """A step of ``rows`` requests that do not draft: every request's observed counts fade and the
-        prior's pseudo-drafts come back in their place, so a load that stopped drafting tries it again
-        once what it saw is old (~``1 / (1 - global_decay)`` request-steps). Why: without drafts nothing
-        was observed, and one stop at admission was for good: on the H100 at one held-out request, T=1,
-        width 8, the first ten prompts' rates (0.42) stopped drafting for every later one, 1.00x of the
-        target alone where the fixed width served 1.16x (docs/benchmarks.md, forty-seventh session)."""
-        f = global_decay**rows
-        self.total *= f
-        self.pseudo = f * self.pseudo + (1 - f) * self.prior_drafts
+    def fade(self, factor: float) -> None:
+        """A step without drafts: every request's observed counts fade by ``factor`` and the prior's
+        pseudo-drafts come back in their place, so a load that stopped drafting tries it again once
+        what it saw is old. Why: without drafts nothing was observed, and one stop at admission was for
+        good: on the H100 at one held-out request, T=1, width 8, the first ten prompts' rates (0.42)
+        stopped drafting for every later one, 1.00x of the target alone where the fixed width served
+        1.16x (docs/benchmarks.md, forty-seventh session)."""
+        self.total *= factor
+        self.pseudo = factor * self.pseudo + (1 - factor) * self.prior_drafts
         self._prior_rates = self._rates_of_total()
         self._reach = None
 
@@ -708,15 +710,16 @@ class Planner:
         )
         del self.decisions[:-keep]
 
-    def observe_plain(self, bucket: int, seconds: float | None, rows: int = 0) -> None:
-        """A step of ``rows`` requests that do not draft: the target alone's cost at ``bucket`` (width
-        0), and every request's acceptance fading back toward the prior (:meth:`AcceptanceCounts.fade`)."""
+    def observe_plain(self, bucket: int, seconds: float | None, fade: bool = False) -> None:
+        """A step of requests that do not draft: the target alone's cost at ``bucket`` (width 0), and
+        (``fade``, the engine's steps) every request's acceptance fading toward the prior
+        (:attr:`PlannerConfig.plain_fade`)."""
         if not self.adapts:
             return
         if seconds is not None:
             self._measure((bucket, 0), seconds)
-        if rows:
-            self.counts.fade(rows, self.cfg.plain_fade)
+        if fade:
+            self.counts.fade(self.cfg.plain_fade)
 
     def _measure(self, key: tuple[int, int], seconds: float) -> None:
         # the plain mean of the first samples, then the moving average (a cost given without samples, an
