@@ -1361,13 +1361,13 @@ def test_a_load_that_stopped_drafting_tries_again_once_what_it_saw_is_old():
     p.fold()
     assert p.drafting_gain(1) < 1 and not p.speculate_new(1, 1)
     gains = []
-    for _ in range(10):  # ten requests of 128 tokens, the target alone
+    for _ in range(12):  # twelve requests of 128 tokens, the target alone
         for _ in range(128):
             p.observe_plain(1, 1.6e-3, fade=True)
         gains.append(p.drafting_gain(1))
     assert gains == sorted(gains)  # the observed rates fade toward the prior, step by step
     assert gains[0] < 1 and p.speculate_new(1, 1)
     drafts_again = next(i for i, g in enumerate(gains) if g >= 1 + p.cfg.hysteresis)
-    assert 2 <= drafts_again <= 6, gains
+    assert 2 <= drafts_again <= 8, gains
     p.observe_plain(1, 1.6e-3)  # a cost alone (not the engine's step): nothing fades
     assert p.drafting_gain(1) == gains[-1]
