@@ -33,6 +33,9 @@ def load(path: str, temperature: float | None, suite: str | None) -> list[list[i
     return list(reqs.values())
 
 
+RETIRE_GLOBAL = False
+
+
 def replay(
     reqs: list[list[int]],
     width: int,
@@ -66,7 +69,7 @@ def replay(
             for _ in range(left):
                 planner.observe_plain(1, None, fade=fade)
         while i < len(ns):
-            if planner is not None and plain_ms is not None and planner.retire(1):
+            if planner is not None and plain_ms is not None and planner.retire(1, None if RETIRE_GLOBAL else [rid]):
                 left = sum(n + 1 for n in ns[i:])
                 tokens, ms, i = tokens + left, ms + left * plain_ms, len(ns)
                 for _ in range(left):
@@ -133,7 +136,10 @@ def main() -> None:
     ap.add_argument("--configs", default="default", help="';'-separated PlannerConfig overrides, k=v,k=v")
     ap.add_argument("--plain-ms", type=float, default=None, help="the target alone's step: admission too")
     ap.add_argument("--repeat", type=int, default=1, help="the requests this many times over, in turn")
+    ap.add_argument("--retire-global", action="store_true", help="retirement on every request's rates (before)")
     args = ap.parse_args()
+    global RETIRE_GLOBAL
+    RETIRE_GLOBAL = args.retire_global
     reqs = load(args.trace, args.temperature, args.suite) * args.repeat
     c1, cw = (float(x) for x in args.costs.split(","))
     steps = sum(len(ns) for ns in reqs)

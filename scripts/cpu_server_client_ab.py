@@ -40,7 +40,9 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 240) -> Non
     raise SystemExit("the server did not become healthy")
 
 
-async def run_batch(port: int, prompts: list[str], conc: int, temperature: float, tokens: int) -> dict:
+async def run_batch(
+    port: int, prompts: list[str], conc: int, temperature: float, tokens: int, ignore_eos: bool = False
+) -> dict:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
@@ -56,6 +58,9 @@ async def run_batch(port: int, prompts: list[str], conc: int, temperature: float
                 temperature=temperature,
                 top_p=0.95,
                 seed=i,
+                # every output the same length where asked (SGLang's ignore_eos): at T=1 the servers
+                # draw other texts, and tok/s of texts of other lengths mixes in each prompt's prefill
+                extra_body={"ignore_eos": True} if ignore_eos else None,
             )
             outs[i] = (r.usage.completion_tokens, r.choices[0].message.content or "")
 
@@ -95,7 +100,10 @@ def interleaved(args, prompts: list[str], flags: dict) -> None:
             rounds: list[dict] = []
             for i in range(args.interleave):
                 order = names if i % 2 == 0 else names[::-1]
-                got = {n: asyncio.run(run_batch(ports[n], prompts, args.concurrency, temp, args.tokens)) for n in order}
+                got = {
+                    n: asyncio.run(run_batch(ports[n], prompts, args.concurrency, temp, args.tokens, args.ignore_eos))
+                    for n in order
+                }
                 rounds.append({n: {"tok_s": got[n]["tok_s"], "wall_s": got[n]["wall_s"], "tokens": got[n]["tokens"]}
                                for n in names})  # fmt: skip
                 if temp == 0:
@@ -127,6 +135,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=30013)
     ap.add_argument("--output", default=None)
     ap.add_argument("--logs", default=None, help="a folder for each server's log")
+    ap.add_argument("--ignore-eos", action="store_true", help="every output --tokens long (comparable tok/s at T=1)")
     ap.add_argument("--interleave", type=int, default=0, help="rounds with every server up at once (ABBA order)")
     args = ap.parse_args()
     from dflash2.training.sources import load_prompts
@@ -151,7 +160,7 @@ def main() -> None:
             try:
                 wait_healthy(args.port, proc)
                 asyncio.run(run_batch(args.port, prompts[:2], 2, temp, 8))  # warm-up
-                res = asyncio.run(run_batch(args.port, prompts, args.concurrency, temp, args.tokens))
+                res = asyncio.run(run_batch(args.port, prompts, args.concurrency, temp, args.tokens, args.ignore_eos))
                 res["metrics"] = spec_metrics(args.port)
             finally:
                 proc.terminate()

@@ -971,3 +971,43 @@ def test_a_stop_string_ends_the_output_at_the_token_that_completes_it(llama):
                 assert req.output_ids == ids[: hits[0]] and req.finish_reason == "stop" and req.matched_stop == stop
             else:
                 assert req.output_ids == ids and not req.finished
+
+
+def test_append_ends_a_request_where_the_per_token_rules_do(llama):
+    """A step's tokens go in at once where none of them can end the request (no EOS or stop id, room
+    under ``max_new_tokens`` and the context); wherever one might, the rules run token by token. Either
+    way the output, finish reason and matched stop are the per-token rules' (``stop_reason`` over each
+    token as it is appended, then the context length), over random blocks, stop ids, ``min_tokens``,
+    ``ignore_eos``, length limits and context lengths."""
+    from dflash2.engine.steps import stop_reason
+
+    t, d = llama
+    g = torch.Generator().manual_seed(7)
+    for ctx in (24, 40, 128):
+        eng = LLMEngine(t, d, EngineConfig(max_running_requests=2, context_length=ctx))
+        eng.eos = {3}
+        for case in range(60):
+            r = lambda n: int(torch.randint(0, n, (), generator=g))  # noqa: E731
+            max_new = 1 + r(30)
+            sp = SamplingParams(
+                max_new_tokens=max_new,
+                min_tokens=min(r(6), max_new),
+                ignore_eos=bool(r(4) == 0),
+                stop_token_ids=[4 + r(3)] if r(2) else [],
+            )
+            prompt = list(range(5, 5 + 2 + r(12)))
+            req, ref, reason, matched = Request(prompt, sp), [], None, None
+            while not req.finished and len(req.output_ids) < 40:
+                block = [int(x) for x in torch.randint(3, 12, (1 + r(6),), generator=g)]
+                eng._append(req, block)
+                for tok in block:  # the reference: every rule after every token
+                    if reason:
+                        break
+                    ref.append(tok)
+                    reason = stop_reason(tok, len(ref), sp, eng.eos)
+                    matched = tok if reason == "stop" else None
+                    if reason is None and len(prompt) + len(ref) >= ctx:
+                        reason = "length"
+                assert req.output_ids == ref, (ctx, case)
+                assert req.finish_reason == reason and req.matched_stop == matched, (ctx, case)
+            assert req.finished or len(req.output_ids) >= 40

@@ -1278,7 +1278,7 @@ class FullThenTrim(Planner):
     def speculate_new(self, n_running, bucket):
         return True
 
-    def retire(self, bucket):
+    def retire(self, bucket, rids=None):
         return False
 
     def _draft_cost(self, bucket):
@@ -1371,3 +1371,20 @@ def test_a_load_that_stopped_drafting_tries_again_once_what_it_saw_is_old():
     assert 2 <= drafts_again <= 8, gains
     p.observe_plain(1, 1.6e-3)  # a cost alone (not the engine's step): nothing fades
     assert p.drafting_gain(1) == gains[-1]
+
+
+def test_a_request_retires_on_its_own_rates_where_every_requests_are_still_hopeful():
+    """At one request after a fade (every request's rates back near the prior), a request admitted to try
+    drafting again whose drafts fail retires on its own rates at the next check, where every request's
+    rates alone would keep it drafting (at width 1, paying the drafter's upkeep, for the rest of its output);
+    a request whose drafts pass does not."""
+    costs = {(1, 0): 1.6e-3, (1, 1): 1.7e-3, (1, W): 2.6e-3}
+    for accepted, retires in ((0, True), (3, False)):
+        p = Planner(W, PlannerConfig(mode="auto"), costs=dict(costs))
+        p.steps = 10 * p.cfg.retire_every  # long past the cold start
+        for _ in range(3 * p.cfg.retire_every):
+            p.observe(["probe"], [accepted], W, 1, 2.6e-3)
+        p.fold()
+        assert p.steps % p.cfg.retire_every == 0
+        assert p.drafting_gain(1) > 1 and not p.retire(1)  # every request's rates: the prior's weight
+        assert p.retire(1, ["probe"]) is retires

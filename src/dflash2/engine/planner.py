@@ -622,16 +622,20 @@ class Planner:
             self._note("admit drafting" if drafts else "admit not drafting", bucket, gain)
         return drafts
 
-    def drafting_gain(self, bucket: int, strict: bool = False) -> float | None:
+    def drafting_gain(self, bucket: int, strict: bool = False, rids: list[str] | None = None) -> float | None:
         """Expected tokens/s of the best drafting width at ``bucket`` (every request's acceptance per
-        position) over the target alone's (width 0 measured, else width 1); None before both costs
-        are known. ``strict`` (admission): a width between counts only where it clears the margin over
-        both ends, as :meth:`_choose` takes it; retirement, which is for good, counts every width."""
+        position, or ``rids``' own: a running batch's) over the target alone's (width 0 measured, else
+        width 1); None before both costs are known. ``strict`` (admission): a width between counts only
+        where it clears the margin over both ends, as :meth:`_choose` takes it; retirement, which is for
+        good, counts every width."""
         plain = self.cost(bucket, 0) or self.cost(bucket, 1)
         cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {self.width}) if w > 1}
         if plain is None or cost[self.width] is None:
             return None
-        tokens = _tokens_by_width(np.cumprod(self.counts.prior_rates()), 1)
+        if rids:
+            tokens = self.expected_by_width(rids) / len(rids)
+        else:
+            tokens = _tokens_by_width(np.cumprod(self.counts.prior_rates()), 1)
         rate = {w: tokens[w - 1] / c for w, c in cost.items() if c is not None}
         return float(max(rate[w] for w in (self._counted(rate, 1 / plain, bucket) if strict else rate)) * plain)
 
@@ -665,7 +669,7 @@ class Planner:
                 return True
         return False
 
-    def retire(self, bucket: int) -> bool:
+    def retire(self, bucket: int, rids: list[str] | None = None) -> bool:
         """Whether the drafting requests of a batch at ``bucket`` stop drafting for good: auto only,
         after ``probe_every`` steps (eagerly ``retire_every``; step costs measured; acceptance is the optimistic prior until
         drafts are seen, so this errs toward drafting), where the best drafting width falls short of
@@ -675,7 +679,11 @@ class Planner:
         the cold start draft for their lifetime, and a drafting request's width 1 costs 15-18% over
         the target alone; on the H200 at 32-64 requests that first wave held the planner at
         0.55-0.85x of the target alone while it chose width 1 for every step (docs/benchmarks.md,
-        seventeenth session). One way: a request without a draft context cannot draft again."""
+        seventeenth session). One way: a request without a draft context cannot draft again.
+        ``rids``: the batch's requests, priced on their own acceptance (each shrunk toward every
+        request's, so under load about the same). Why: at one request a request admitted to try drafting
+        again (``plain_fade``) went to width 1 on its own rates while every request's, still near the
+        prior, never fell below break-even: it kept the drafter's upkeep for the rest of its output."""
         # eager, the cold start's width 2 has seen acceptance by its second step: from retire_every on.
         # Why: a first wave that could not pay kept drafting (its width 1 writes latents) for 32-40 steps
         # on the CPU at 16 requests, T=1 (docs/benchmarks.md, twenty-ninth session)
@@ -684,7 +692,7 @@ class Planner:
             return False
         if 1 in (self.widths or (1,)) and not any(w in (0, 1) for _, w in self.costs):
             return False  # for good, so only once a one-token step has a cost of its own (a probe)
-        gain = self.drafting_gain(bucket)
+        gain = self.drafting_gain(bucket, rids=rids)
         if gain is None or gain >= 1:
             return False
         if not self._plain_known(bucket):  # first measure the one-token step here
