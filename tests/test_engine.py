@@ -79,6 +79,10 @@ def _run(
         eng.add_request(r)
     eng.run_until_done()
     assert all(r.finish_reason in ("stop", "length") for r in reqs), [r.error for r in reqs]
+    # the step counts agree with the requests' own: draft i + 1 accepted once per step that accepted more than i
+    assert eng.stats.verify_steps == sum(r.verify_steps for r in reqs)
+    hists = [r.accept_hist + [0] * (eng.width - len(r.accept_hist)) for r in reqs]
+    assert eng.stats.accepted_by_position == [sum(sum(h[i + 1 :]) for h in hists) for i in range(eng.width - 1)]
     return eng, reqs
 
 

@@ -743,7 +743,7 @@ class LLMEngine:
 
     def _commit(self, reqs: list[Request], out: StepOutput, width: int) -> None:
         """Each request's tokens of the step (stop rules, streaming) and the step's counts."""
-        s = self.stats
+        s, hist = self.stats, [0] * (width + 1)  # (hist: the step's requests by accepted drafts)
         for b, (r, tokens, n) in enumerate(zip(reqs, out.tokens, out.num_accepted)):
             if r.sampling.logprobs is not None and out.logits is not None:
                 self._record_logprobs(r, out.logits[b], tokens)
@@ -752,10 +752,13 @@ class LLMEngine:
             r.verify_s += out.verify_s
             r.accept_hist[n] += 1
             r.width_sum += width
-            s.verify_steps += 1
-            for i in range(n):
-                s.accepted_by_position[i] += 1
+            hist[n] += 1
             self._append(r, tokens)
+        s.verify_steps += len(reqs)
+        beyond = 0  # requests that accepted more than i drafts: draft i + 1 accepted
+        for i in range(width - 1, 0, -1):
+            beyond += hist[i]
+            s.accepted_by_position[i - 1] += beyond
         s.steps += 1
         s.steps_by_width[width] = s.steps_by_width.get(width, 0) + 1
         s.drafts_proposed += (width - 1) * len(reqs)
