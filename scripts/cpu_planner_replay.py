@@ -33,9 +33,6 @@ def load(path: str, temperature: float | None, suite: str | None) -> list[list[i
     return list(reqs.values())
 
 
-RETIRE_GLOBAL = False
-
-
 def replay(
     reqs: list[list[int]],
     width: int,
@@ -44,13 +41,15 @@ def replay(
     stay: bool = False,
     plain_ms: float | None = None,
     fade: bool = True,
+    retire_global: bool = False,
 ) -> dict:
     """Tokens per ms over every request in turn: the fixed width (``overrides`` None) or the planner.
     ``stay``: a width-1 step leaves the traced step it stood for to the next step (the text moved on by
     one token only: a run of bad steps is not skipped), a bound on the other side. ``plain_ms``: the
     target alone's step, and the planner's admission and retirement with it (a request that does not
     draft, or stops, runs its text's remaining tokens at that cost; ``fade``: those steps fade what
-    was seen toward the prior, as in the engine)."""
+    was seen toward the prior, as in the engine; ``retire_global``: retirement priced on every request's
+    rates, the rule before the forty-seventh session, not on the request's own)."""
     from dflash2.engine.planner import Planner, PlannerConfig
 
     planner = None
@@ -69,7 +68,7 @@ def replay(
             for _ in range(left):
                 planner.observe_plain(1, None, fade=fade)
         while i < len(ns):
-            if planner is not None and plain_ms is not None and planner.retire(1, None if RETIRE_GLOBAL else [rid]):
+            if planner is not None and plain_ms is not None and planner.retire(1, None if retire_global else [rid]):
                 left = sum(n + 1 for n in ns[i:])
                 tokens, ms, i = tokens + left, ms + left * plain_ms, len(ns)
                 for _ in range(left):
@@ -138,8 +137,6 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="the requests this many times over, in turn")
     ap.add_argument("--retire-global", action="store_true", help="retirement on every request's rates (before)")
     args = ap.parse_args()
-    global RETIRE_GLOBAL
-    RETIRE_GLOBAL = args.retire_global
     reqs = load(args.trace, args.temperature, args.suite) * args.repeat
     c1, cw = (float(x) for x in args.costs.split(","))
     steps = sum(len(ns) for ns in reqs)
@@ -159,7 +156,7 @@ def main() -> None:
         print(f"  auto {spec:<32} log-loss of the per-request estimate {log_loss(reqs, args.width, over):.4f}")
         for stay in (False, True):
             for fade in (True, False) if args.plain_ms else (True,):
-                r = replay(reqs, args.width, (c1, cw), over, stay, args.plain_ms, fade)
+                r = replay(reqs, args.width, (c1, cw), over, stay, args.plain_ms, fade, args.retire_global)
                 tag = f"{'stays' if stay else 'skips'}{(' fade ' + ('on' if fade else 'off')) if args.plain_ms else ''}"
                 print(
                     f"  auto {spec:<32} {tag} {r['tokens_per_ms']:.3f} tokens/ms ({r['tokens_per_ms'] / fixed:.3f} "
