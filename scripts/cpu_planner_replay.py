@@ -58,21 +58,25 @@ def replay(
         given = {(1, 1): costs[0] / 1e3, (1, width): costs[1] / 1e3}
         planner = Planner(width, cfg, costs=given | ({(1, 0): plain_ms / 1e3} if plain_ms else {}))
     tokens, ms, ones, steps, plain_reqs = 0, 0.0, 0, 0, 0
+    admits = planner is not None and plain_ms is not None
+
+    def alone(rest: list[int]) -> None:
+        """The text's remaining tokens (``rest``: its traced steps) by the target alone, a step each."""
+        nonlocal tokens, ms
+        left = sum(n + 1 for n in rest)
+        tokens, ms = tokens + left, ms + left * plain_ms
+        for _ in range(left):
+            planner.observe_plain(1, None, fade=fade)
+
     for k, ns in enumerate(reqs):
         rid = f"r{k}"
         i = 0
-        if planner is not None and plain_ms is not None and not planner.speculate_new(1, 1):
+        if admits and not planner.speculate_new(1, 1):
+            alone(ns)
             i, plain_reqs = len(ns), plain_reqs + 1
-            left = sum(n + 1 for n in ns)
-            tokens, ms = tokens + left, ms + left * plain_ms
-            for _ in range(left):
-                planner.observe_plain(1, None, fade=fade)
         while i < len(ns):
-            if planner is not None and plain_ms is not None and planner.retire(1, None if retire_global else [rid]):
-                left = sum(n + 1 for n in ns[i:])
-                tokens, ms, i = tokens + left, ms + left * plain_ms, len(ns)
-                for _ in range(left):
-                    planner.observe_plain(1, None, fade=fade)
+            if admits and planner.retire(1, None if retire_global else [rid]):
+                alone(ns[i:])
                 break
             n = ns[i]
             w = width if planner is None else planner.choose([rid], 1)

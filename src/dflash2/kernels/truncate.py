@@ -230,6 +230,13 @@ if triton is not None:
         )
 
     @triton.jit
+    def _append_selected(S, m, v, sel):
+        """``S[m:]`` = the entries of ``v`` where ``sel``, in order (each written where the cumsum says);
+        returns the new length."""
+        tl.store(S + m + tl.cumsum(sel.to(tl.int32), 0) - 1, v, mask=sel)
+        return m + tl.sum(sel.to(tl.int32), 0)
+
+    @triton.jit
     def _gather(P, S, n, lo, hi, BLOCK: tl.constexpr):
         """``S[:m]`` = the entries of ``P[:n]`` whose float bits lie in ``[lo, hi]``, in order; returns m.
         ``S`` may be ``P``: an entry moves only down, and a block's stores wait on its cumsum, which
@@ -240,9 +247,7 @@ if triton is not None:
             inside = cols < n
             v = tl.load(P + cols, mask=inside, other=0.0)
             bits = v.to(tl.int32, bitcast=True)
-            sel = inside & (bits >= lo) & (bits <= hi)
-            tl.store(S + m + tl.cumsum(sel.to(tl.int32), 0) - 1, v, mask=sel)
-            m += tl.sum(sel.to(tl.int32), 0)
+            m = _append_selected(S, m, v, inside & (bits >= lo) & (bits <= hi))
         return m
 
     @triton.jit
@@ -321,9 +326,7 @@ if triton is not None:
             p = tl.where(greedy, tl.where(cols == best_i, 1.0, 0.0), p)
             tl.store(O + cols, p, mask=inside)
             if SHRINK:
-                sel = inside & (p >= gather_from)
-                tl.store(S + n + tl.cumsum(sel.to(tl.int32), 0) - 1, p, mask=sel)
-                n += tl.sum(sel.to(tl.int32), 0)
+                n = _append_selected(S, n, p, inside & (p >= gather_from))
         if cut:
             # the row is read back by other threads of the program than wrote it: make the writes seen
             tl.debug_barrier()
