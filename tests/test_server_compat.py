@@ -172,6 +172,7 @@ def test_abort_request_by_rid_ends_a_running_stream(card):
         (["--dtype", "half"], "float16 is not supported"),
         (["--context-length", "lots"], "token count"),
         (["--cuda-graph-max-bs", "2"], "cuda-graph-max-bs"),
+        (["--gc-warning-threshold-secs", "-1"], "gc-warning-threshold-secs must be >= 0"),
     ],
 )
 def test_flags_we_cannot_honour_are_refused_with_the_reason(argv, why, capsys):

@@ -10,22 +10,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..engine.engine import EngineConfig, EngineStats, LLMEngine
+from ..engine.gc_utils import GCPauses, freeze_gc
 from ..training.data import render
 from ..verification import SamplingParams
-
-
-class GCPauses:
-    """A ``gc.callbacks`` entry: the seconds spent in collections and their count by generation."""
-
-    def __init__(self):
-        self.seconds, self.count, self._start = 0.0, [0, 0, 0], 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._start
-            self.count[info["generation"]] += 1
 
 
 @dataclass
@@ -171,6 +158,7 @@ def measure(
         SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=i) for i in range(n)
     ]
     shapes0 = {k: list(v) for k, v in getattr(eng.runner, "prefill_shapes", {}).items()}
+    freeze_gc("bench row")  # what lives now (engines, earlier rows) is not walked by a collection in this row
     pauses = GCPauses()
     gc.callbacks.append(pauses)
     t0 = time.perf_counter()
@@ -327,41 +315,24 @@ def run(
             for v in verifiers
         ]
     rows, slot, level_s = [], 0, 0.0
-    for c in concurrencies:
-        t_level = time.time()
-        if deadline is not None and rows and deadline - t_level < level_s:
-            break
-        done: dict[str, list[ConcurrencyRow]] = {name: [] for name, *_ in configs}
-        engines: dict = {}  # this level's engines, dropped before the next level builds its own (no slots)
-        if shared is not None:  # each level starts with planners that know their start-up profile only
-            shared.restart()
-        # An untimed pass of every config at this level first: on the H200 the first run of each
-        # (concurrency, width) shape set was 2-3x slower than the next ones (15 vs 36 tok/s for the
-        # target at c=1; the token rows, which ran before the block rows of the same width, took
-        # the hit and the block rows after them did not), which skewed every speedup.
-        for name, d, w, block, p, a in configs if warmup else []:
-            measure(
-                target,
-                d,
-                ids,
-                w,
-                block,
-                c,
-                max_new_tokens,
-                temperature,
-                "warm-up",
-                requests_per_slot,
-                engines=engines,
-                planner=p,
-                attention_backend=a,
-                engine_kw=engine_kw,
-                shared=shared,
-            )
-        for k in range(rounds):
-            if k and deadline is not None and time.time() > deadline:
+    try:
+        for c in concurrencies:
+            t_level = time.time()
+            if deadline is not None and rows and deadline - t_level < level_s:
                 break
-            for name, d, w, block, p, a in configs[k % len(configs) :] + configs[: k % len(configs)]:
-                row = measure(
+            done: dict[str, list[ConcurrencyRow]] = {name: [] for name, *_ in configs}
+            # this level's engines, dropped before the next level builds its own (no slots): unfrozen first, so
+            # the collector frees them (a frozen cycle would keep an engine's graphs and buffers for good)
+            gc.unfreeze()
+            engines: dict = {}
+            if shared is not None:  # each level starts with planners that know their start-up profile only
+                shared.restart()
+            # An untimed pass of every config at this level first: on the H200 the first run of each
+            # (concurrency, width) shape set was 2-3x slower than the next ones (15 vs 36 tok/s for the
+            # target at c=1; the token rows, which ran before the block rows of the same width, took
+            # the hit and the block rows after them did not), which skewed every speedup.
+            for name, d, w, block, p, a in configs if warmup else []:
+                measure(
                     target,
                     d,
                     ids,
@@ -370,7 +341,7 @@ def run(
                     c,
                     max_new_tokens,
                     temperature,
-                    name,
+                    "warm-up",
                     requests_per_slot,
                     engines=engines,
                     planner=p,
@@ -378,17 +349,40 @@ def run(
                     engine_kw=engine_kw,
                     shared=shared,
                 )
-                row.round_slots, slot = [slot], slot + 1
-                done[name].append(row)
-        level = [pool_rounds(done[name]) for name, *_ in configs]
-        base = {a: r for r, (_, d, *_, a) in zip(level, configs) if d is None}
-        for r, (_, d, *_, a) in zip(level, configs):
-            if d is not None:
-                r.speedup = r.tokens_per_s / base[a].tokens_per_s
-        rows += level
-        level_s = time.time() - t_level
-        if on_level is not None:
-            on_level(rows)
+            for k in range(rounds):
+                if k and deadline is not None and time.time() > deadline:
+                    break
+                for name, d, w, block, p, a in configs[k % len(configs) :] + configs[: k % len(configs)]:
+                    row = measure(
+                        target,
+                        d,
+                        ids,
+                        w,
+                        block,
+                        c,
+                        max_new_tokens,
+                        temperature,
+                        name,
+                        requests_per_slot,
+                        engines=engines,
+                        planner=p,
+                        attention_backend=a,
+                        engine_kw=engine_kw,
+                        shared=shared,
+                    )
+                    row.round_slots, slot = [slot], slot + 1
+                    done[name].append(row)
+            level = [pool_rounds(done[name]) for name, *_ in configs]
+            base = {a: r for r, (_, d, *_, a) in zip(level, configs) if d is None}
+            for r, (_, d, *_, a) in zip(level, configs):
+                if d is not None:
+                    r.speedup = r.tokens_per_s / base[a].tokens_per_s
+            rows += level
+            level_s = time.time() - t_level
+            if on_level is not None:
+                on_level(rows)
+    finally:
+        gc.unfreeze()  # what the rows froze (:func:`measure`) is the collector's again
     return rows
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import hmac
 import importlib.metadata
 import json
@@ -26,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import LLMEngine, RequestError
+from ..engine.gc_utils import GCPauses
 from ..engine.request import Request
 from ..sampling import SEED_RANGE, SamplingParams
 from .metrics import render_metrics
@@ -202,6 +204,7 @@ class ServerState:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     server_args: dict = field(default_factory=dict)
+    gc_pauses: GCPauses | None = None  # the collector's pauses (/metrics), where the launcher counts them
     tok_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash2-tokenize")
     )
@@ -244,10 +247,18 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     api_key: str | None = None,
     server_args: dict | None = None,
+    gc_pauses: GCPauses | None = None,
 ) -> FastAPI:
     app = FastAPI(title="dflash2")
     app.state.dflash2 = ServerState(
-        engine, tokenizer, model_name, context_length, reasoning_parser, tool_call_parser, dict(server_args or {})
+        engine,
+        tokenizer,
+        model_name,
+        context_length,
+        reasoning_parser,
+        tool_call_parser,
+        dict(server_args or {}),
+        gc_pauses=gc_pauses,
     )
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if api_key:
@@ -550,6 +561,7 @@ async def server_info(http: HTTPRequest):
         "speculative_num_draft_tokens": st.engine.width,
         # what the runner does (the flag's default is "where it applies")
         "enable_mixed_chunk": bool(getattr(st.engine.runner, "mixed_lengths", ())),
+        "gc_frozen_objects": gc.get_freeze_count(),  # what no collection walks (launch: freeze_gc)
         "internal_states": [
             {
                 "avg_spec_accept_length": s.generated_tokens / s.verify_steps if s.verify_steps else 0.0,
@@ -606,7 +618,8 @@ async def abort_request(body: AbortRequest, http: HTTPRequest):
 
 @router.get("/metrics")
 async def metrics(http: HTTPRequest):
-    return PlainTextResponse(render_metrics(state_of(http).engine), media_type="text/plain; version=0.0.4")
+    st = state_of(http)
+    return PlainTextResponse(render_metrics(st.engine, st.gc_pauses), media_type="text/plain; version=0.0.4")
 
 
 def text_messages(messages: list[dict]) -> list[dict]:

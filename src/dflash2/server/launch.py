@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import re
 from pathlib import Path
@@ -62,6 +63,13 @@ def add_serve_parser(sub) -> None:
     )
     p.add_argument("--enable-metrics", action="store_true", help="/metrics is always on")
     p.add_argument("--skip-server-warmup", action="store_true", help="serve without the short warm-up generation first")
+    p.add_argument(
+        "--gc-warning-threshold-secs",
+        type=float,
+        default=0.0,
+        help="log each Python garbage collection that pauses the server at least this long (0: never; "
+        "every pause counts in /metrics either way)",
+    )
     p.add_argument("--disable-radix-cache", action="store_true", help="there is no prefix cache to disable")
     p.add_argument("--mamba-full-memory-ratio", type=float, default=None)
     p.add_argument("--speculative-draft-attention-backend", default=None)
@@ -119,6 +127,8 @@ def check_flags(args) -> None:
         raise SystemExit(f"--mem-fraction-static must be in (0, 1], got {args.mem_fraction_static}")
     if args.max_running_requests < 1:
         raise SystemExit(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
+    if args.gc_warning_threshold_secs < 0:
+        raise SystemExit(f"--gc-warning-threshold-secs must be >= 0, got {args.gc_warning_threshold_secs}")
     if args.cuda_graph_max_bs is not None and args.cuda_graph_max_bs < args.max_running_requests:
         raise SystemExit(
             f"--cuda-graph-max-bs {args.cuda_graph_max_bs} < --max-running-requests "
@@ -170,6 +180,7 @@ def cmd_serve(args) -> int:
 
     from ..entry import load_models
     from ..engine.engine import LLMEngine
+    from ..engine.gc_utils import GCPauses, freeze_gc
     from .app import create_app
 
     check_flags(args)
@@ -189,6 +200,10 @@ def cmd_serve(args) -> int:
     engine = LLMEngine(target, draft, cfg)
     if not args.skip_server_warmup:
         engine.warm_up()
+    # what lives for good is built: out of the collector's walks (a full one paused 185 ms on the CPU)
+    gc_pauses = GCPauses(args.gc_warning_threshold_secs)
+    gc.callbacks.append(gc_pauses)
+    freeze_gc("dflash2 serve")
     if engine.tp is not None and not engine.tp.leader:  # rank 0 serves; this rank steps with it
         engine.follow()
         return 0
@@ -204,6 +219,7 @@ def cmd_serve(args) -> int:
         parser,
         api_key=args.api_key,
         server_args={k: v for k, v in vars(args).items() if k not in ("fn", "api_key")},
+        gc_pauses=gc_pauses,
     )
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
     graphs = "CUDA graphs over static slots" if engine.runner.use_graph else "eager"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ..engine.engine import LATENCY_BUCKETS, LatencyHistogram
+from ..engine.gc_utils import GCPauses
 
 
 def _histogram(name: str, doc: str, h: LatencyHistogram) -> HistogramMetricFamily:
@@ -130,7 +132,32 @@ class _EngineCollector:
         yield GaugeMetricFamily("dflash2_kv_blocks_total", "KV pool blocks", value=total)
 
 
-def render_metrics(engine) -> str:
+class _GCCollector:
+    def __init__(self, pauses: GCPauses):
+        self.pauses = pauses
+
+    def collect(self):
+        yield CounterMetricFamily(
+            "dflash2_gc_pause_seconds",
+            "Seconds the server spent in Python garbage collections",
+            value=self.pauses.seconds,
+        )
+        by_gen = CounterMetricFamily(
+            "dflash2_gc_collections", "Python garbage collections, by generation", labels=["generation"]
+        )
+        for g, n in enumerate(self.pauses.count):
+            by_gen.add_metric([str(g)], n)
+        yield by_gen
+        yield GaugeMetricFamily(
+            "dflash2_gc_frozen_objects",
+            "Objects no collection walks (frozen after start-up)",
+            value=gc.get_freeze_count(),
+        )
+
+
+def render_metrics(engine, gc_pauses: GCPauses | None = None) -> str:
     reg = CollectorRegistry()
     reg.register(_EngineCollector(engine))
+    if gc_pauses is not None:
+        reg.register(_GCCollector(gc_pauses))
     return generate_latest(reg).decode()
