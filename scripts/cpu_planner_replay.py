@@ -42,6 +42,8 @@ def replay(
     plain_ms: float | None = None,
     fade: bool = True,
     retire_global: bool = False,
+    between: dict[int, float] | None = None,
+    fixed: int | None = None,
 ) -> dict:
     """Tokens per ms over every request in turn: the fixed width (``overrides`` None) or the planner.
     ``stay``: a width-1 step leaves the traced step it stood for to the next step (the text moved on by
@@ -49,15 +51,24 @@ def replay(
     target alone's step, and the planner's admission and retirement with it (a request that does not
     draft, or stops, runs its text's remaining tokens at that cost; ``fade``: those steps fade what
     was seen toward the prior, as in the engine; ``retire_global``: retirement priced on every request's
-    rates, the rule before the forty-seventh session, not on the request's own)."""
+    rates, the rule before the forty-seventh session, not on the request's own). ``between``: verify widths
+    between 1 and the full one (ms of each step) that the planner may pick too, a step at width ``w`` taking
+    the traced step's first ``w - 1`` drafts (exact at T=0, where the drafts are the block's); ``fixed``: the
+    fixed width replayed (``overrides`` None), one of ``between`` or the full one."""
     from dflash2.engine.planner import Planner, PlannerConfig
 
+    between = between or {}
+    ms_of = {1: costs[0], width: costs[1], **between}
     planner = None
     if overrides is not None:
-        cfg = PlannerConfig(mode="auto", **overrides)
-        given = {(1, 1): costs[0] / 1e3, (1, width): costs[1] / 1e3}
-        planner = Planner(width, cfg, costs=given | ({(1, 0): plain_ms / 1e3} if plain_ms else {}))
+        cfg = PlannerConfig(mode="auto", widths=tuple(sorted(between)), **overrides)
+        given = {(1, w): c / 1e3 for w, c in ms_of.items()}
+        # (the widths' costs as a start-up profile too: with graphs of their own, widths between count as the
+        # ends do, Planner._counted)
+        planner = Planner(width, cfg, costs=given | ({(1, 0): plain_ms / 1e3} if plain_ms else {}), profile=given)
+        planner.widths = tuple(sorted(ms_of))
     tokens, ms, ones, steps, plain_reqs = 0, 0.0, 0, 0, 0
+    by_width: collections.Counter = collections.Counter()
     admits = planner is not None and plain_ms is not None
 
     def alone(rest: list[int]) -> None:
@@ -79,15 +90,21 @@ def replay(
                 alone(ns[i:])
                 break
             n = ns[i]
-            w = width if planner is None else planner.choose([rid], 1)
-            i += 1 if w == width or not stay else 0
-            got = n if w == width else 0
-            tokens, ms, ones, steps = tokens + got + 1, ms + costs[w == width], ones + (w == 1), steps + 1
+            w = (fixed or width) if planner is None else planner.choose([rid], 1)
+            i += 1 if w > 1 or not stay else 0
+            got = min(n, w - 1)
+            tokens, ms, ones, steps = tokens + got + 1, ms + ms_of[w], ones + (w == 1), steps + 1
+            by_width[w] += 1
             if planner is not None:
                 planner.observe([rid], [got], w, 1, None)
         if planner is not None:
             planner.forget(rid)
-    return {"tokens_per_ms": tokens / ms, "width1_share": ones / max(steps, 1), "plain_requests": plain_reqs}
+    return {
+        "tokens_per_ms": tokens / ms,
+        "width1_share": ones / max(steps, 1),
+        "plain_requests": plain_reqs,
+        "by_width": dict(sorted(by_width.items())),
+    }
 
 
 def recovery(reqs: list[list[int]], run: int) -> tuple[float, float, int]:
@@ -140,7 +157,11 @@ def main() -> None:
     ap.add_argument("--plain-ms", type=float, default=None, help="the target alone's step: admission too")
     ap.add_argument("--repeat", type=int, default=1, help="the requests this many times over, in turn")
     ap.add_argument("--retire-global", action="store_true", help="retirement on every request's rates (before)")
+    ap.add_argument(
+        "--between", default="", help="verify widths between 1 and --width the planner may pick, with their ms: 5:2.68"
+    )
     args = ap.parse_args()
+    between = {int(w): float(c) for w, c in (x.split(":") for x in args.between.split(",") if x)}
     reqs = load(args.trace, args.temperature, args.suite) * args.repeat
     c1, cw = (float(x) for x in args.costs.split(","))
     steps = sum(len(ns) for ns in reqs)
@@ -151,6 +172,9 @@ def main() -> None:
         print(f"  P(any draft accepted) {p:.3f}; after {run} empty step(s) {q:.3f} ({m} steps)")
     fixed = replay(reqs, args.width, (c1, cw), None)["tokens_per_ms"]
     print(f"  target alone {1 / c1:.3f} tokens/ms; fixed w{args.width} {fixed:.3f} ({fixed * c1:.3f}x)")
+    for w in sorted(between):  # (from the full width's trace: its first w - 1 drafts)
+        r = replay(reqs, args.width, (c1, cw), None, between=between, fixed=w)["tokens_per_ms"]
+        print(f"  fixed w{w} {r:.3f} ({r * c1:.3f}x; {r / fixed:.3f} of fixed w{args.width})")
     for spec in args.configs.split(";"):
         over = {} if spec == "default" else {k: float(v) for k, v in (kv.split("=") for kv in spec.split(","))}
         over = {
@@ -160,12 +184,12 @@ def main() -> None:
         print(f"  auto {spec:<32} log-loss of the per-request estimate {log_loss(reqs, args.width, over):.4f}")
         for stay in (False, True):
             for fade in (True, False) if args.plain_ms else (True,):
-                r = replay(reqs, args.width, (c1, cw), over, stay, args.plain_ms, fade, args.retire_global)
+                r = replay(reqs, args.width, (c1, cw), over, stay, args.plain_ms, fade, args.retire_global, between)
                 tag = f"{'stays' if stay else 'skips'}{(' fade ' + ('on' if fade else 'off')) if args.plain_ms else ''}"
                 print(
                     f"  auto {spec:<32} {tag} {r['tokens_per_ms']:.3f} tokens/ms ({r['tokens_per_ms'] / fixed:.3f} "
                     f"of fixed), width 1 in {100 * r['width1_share']:.1f}% of steps, {r['plain_requests']} of "
-                    f"{len(reqs)} requests admitted without drafting"
+                    f"{len(reqs)} requests admitted without drafting; steps by width {r['by_width']}"
                 )
 
 

@@ -189,6 +189,35 @@ def test_engine_speed_shares_engines_across_levels_and_temperatures(monkeypatch)
         es.run(*args, 0.0, slots=1)
 
 
+def test_widths_between_serve_the_wider_engines_only(monkeypatch):
+    """``--speed-widths 3,5 --planner-widths 3``: the width-3 engine runs plain auto (3 is not between 1 and 3),
+    the width-5 one auto with a width-3 verify among its choices, and no "+w3" row is made for width 3."""
+    import torch
+    from targets import build
+    from test_speculative import random_draft
+    from dflash2.benchmark import engine_speed as es
+    from dflash2.target import TargetModel
+
+    t = TargetModel(build("llama"), layer_ids=[0, 2])
+    monkeypatch.setattr(es, "render", lambda tok, p: torch.randint(3, 96, (6,)).tolist())
+    shared = es.SharedEngines("auto:3")
+    rows = es.run(
+        t, random_draft(t).draft, ["a", "b"], [3, 5], ["block"], [2], 4, 0.0, requests_per_slot=1, slots=2,
+        shared=shared, adaptive=True, planner_widths="3", warmup=False,
+    )  # fmt: skip
+    assert [r.config for r in rows] == [
+        "target", "dflash2 w=3 block", "dflash2 w=5 block", "dflash2 w=3 block adaptive",
+        "dflash2 w=5 block adaptive", "dflash2 w=5 block adaptive+w3",
+    ]  # fmt: skip
+    built = {key[0]: e.cfg.speculative_planner_widths for key, e in shared.engines.items()}  # their graphs
+    assert built == {1: None, 3: None, 5: "3"}
+    assert {(k[0][0], p.cfg.widths) for k, p in shared.planners.items() if p.cfg.mode == "auto"} == {
+        (3, ()),
+        (5, ()),
+        (5, (3,)),
+    }
+
+
 def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
     """Rounds run every config once each, in an order rotated per round, and pool as
     sum(tokens) / sum(seconds); speedup is against the pooled target row."""

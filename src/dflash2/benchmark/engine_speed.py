@@ -67,6 +67,13 @@ def build_planner(adaptive: bool, planner_widths: str | None) -> str:
     return "auto" + (f":{planner_widths}" if planner_widths else "")
 
 
+def _planner_at(planner: str, width: int) -> tuple[str, str]:
+    """``"auto:5"`` -> the mode and the widths between that lie under ``width`` (``"auto:5"`` at width 5 is
+    plain auto: a run's widths between serve its wider engines, e.g. ``--speed-widths 5,8 --planner-widths 5``)."""
+    mode, _, between = planner.partition(":")
+    return mode, ",".join(w for w in between.split(",") if w and int(w) < width)
+
+
 @dataclass
 class SharedEngines:
     """What :func:`run` keeps across levels and calls with ``slots``: one engine per runner (width,
@@ -116,7 +123,7 @@ def measure(
     eng = (engines or {}).get(key)
     slots = (shared.slots if shared is not None else 0) or concurrency
     if eng is None:
-        mode, _, between = planner.partition(":")  # "auto:3": the planner with verify widths between (graphs)
+        mode, between = _planner_at(planner, width)  # "auto:3": the planner with verify widths between (graphs)
         eng = LLMEngine(
             target,
             draft,
@@ -144,7 +151,7 @@ def measure(
             shared.planners[(key, planner)] = eng.planner
     if shared is not None and draft is not None:
         if (key, row_planner) not in shared.planners:
-            mode, _, between = row_planner.partition(":")
+            mode, between = _planner_at(row_planner, width)
             shared.planners[(key, row_planner)] = eng.planner_for(mode, between or None)
         eng.use_planner(shared.planners[(key, row_planner)])
     if concurrency > eng.cfg.max_running_requests:
@@ -313,6 +320,7 @@ def run(
             for p, label in planners
             for w in widths
             for v in verifiers
+            if p == "auto" or ":" not in p or _planner_at(p, w)[1]  # (no row of widths between that has none)
         ]
     rows, slot, level_s = [], 0, 0.0
     try:
