@@ -335,49 +335,24 @@ def run(
             engines: dict = {}
             if shared is not None:  # each level starts with planners that know their start-up profile only
                 shared.restart()
+
+            def one(name: str, d, w: int, block: bool, p: str, a: str) -> ConcurrencyRow:
+                return measure(
+                    target, d, ids, w, block, c, max_new_tokens, temperature, name, requests_per_slot,
+                    engines=engines, planner=p, attention_backend=a, engine_kw=engine_kw, shared=shared,
+                )  # fmt: skip
+
             # An untimed pass of every config at this level first: on the H200 the first run of each
             # (concurrency, width) shape set was 2-3x slower than the next ones (15 vs 36 tok/s for the
             # target at c=1; the token rows, which ran before the block rows of the same width, took
             # the hit and the block rows after them did not), which skewed every speedup.
-            for name, d, w, block, p, a in configs if warmup else []:
-                measure(
-                    target,
-                    d,
-                    ids,
-                    w,
-                    block,
-                    c,
-                    max_new_tokens,
-                    temperature,
-                    "warm-up",
-                    requests_per_slot,
-                    engines=engines,
-                    planner=p,
-                    attention_backend=a,
-                    engine_kw=engine_kw,
-                    shared=shared,
-                )
+            for _, *config in configs if warmup else []:
+                one("warm-up", *config)
             for k in range(rounds):
                 if k and deadline is not None and time.time() > deadline:
                     break
-                for name, d, w, block, p, a in configs[k % len(configs) :] + configs[: k % len(configs)]:
-                    row = measure(
-                        target,
-                        d,
-                        ids,
-                        w,
-                        block,
-                        c,
-                        max_new_tokens,
-                        temperature,
-                        name,
-                        requests_per_slot,
-                        engines=engines,
-                        planner=p,
-                        attention_backend=a,
-                        engine_kw=engine_kw,
-                        shared=shared,
-                    )
+                for name, *config in configs[k % len(configs) :] + configs[: k % len(configs)]:
+                    row = one(name, *config)
                     row.round_slots, slot = [slot], slot + 1
                     done[name].append(row)
             level = [pool_rounds(done[name]) for name, *_ in configs]
