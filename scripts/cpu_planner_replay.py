@@ -9,6 +9,10 @@ target alone, docs/benchmarks.md, forty-fifth session) by going to width 1 after
 
     .venv/bin/python scripts/cpu_planner_replay.py docs/cpu_2026-12-06_planner_replay/trace_w5.jsonl \\
         --suite heldout --temperature 1 --costs 1.82,2.71 --configs "prior_weight=2;default;prior_weight=16"
+    .venv/bin/python scripts/cpu_planner_replay.py docs/cpu_2026-12-06d_widths_between/trace_w8.jsonl --width 8 \\
+        --suite heldout --temperature 1 --costs 1.80,2.896 --between 5:2.70 --plain-ms 1.747
+        # a verify width between (with graphs of its own, as --speculative-planner-widths 5 captures), and the
+        # fixed width 5 read off the width-8 trace (its first 4 drafts: exact at T=0)
 """
 
 from __future__ import annotations
