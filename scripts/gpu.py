@@ -857,7 +857,10 @@ def stage_steps(args) -> None:
                              num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)  # fmt: skip
         torch.manual_seed(0)
         target = TargetModel(tf.LlamaForCausalLM(cfg).to(dev, torch.bfloat16), layer_ids=draft.config.target_layer_ids)
-    prompt = torch.randint(100, 40000, (300,)).tolist()
+    # rows at ~L positions (each one shorter than the last) in a context of L + 788 (1,088 at the default 300)
+    L = args.steps_prompt_tokens
+    ctx = L + 788
+    prompt = torch.randint(100, 40000, (L,)).tolist()
     times: dict = {}
     kernels: dict = {}
     n = 100 if dev == "cuda" else 2
@@ -871,10 +874,10 @@ def stage_steps(args) -> None:
         if slot_kinds
     ]:
         for B in [int(b) for b in args.concurrency.split(",")]:
-            runner = GraphModelRunner(target, draft, 5, B, 1088, cuda_graph=dev == "cuda", block_verification=True,
+            runner = GraphModelRunner(target, draft, 5, B, ctx, cuda_graph=dev == "cuda", block_verification=True,
                                       attention=attention, verify_widths=(1,), sampler=sampler,
                                       compile_draft=not args.eager_draft)  # fmt: skip
-            reqs = [Request(prompt[: 300 - b], SamplingParams()) for b in range(B)]
+            reqs = [Request(prompt[: L - b], SamplingParams()) for b in range(B)]
             for r in reqs:
                 runner.prefill(r)
                 r.output_ids.append(r.prompt_ids[-1])
@@ -884,34 +887,34 @@ def stage_steps(args) -> None:
                 # plain: width 1 of requests that do not draft (no latent writes), the auto planner's
                 # target-alone step, against the target-alone engine's own verify w1 below
                 for kind, w in [k for k in (("draft", 5), ("verify", 5), ("verify", 1), ("plain", 1)) if k[0] in kinds]:
-                    step, _ = runner._graph(kind, B, greedy, 1088, w, make=True)
+                    step, _ = runner._graph(kind, B, greedy, ctx, w, make=True)
                     key = f"{attention} {sampler} B{B} {'greedy' if greedy else 'T=1'} {kind} w{w}"
                     first = replay_ms(step, 1)  # the graph's first replay since its capture
                     times[key] = round(replay_ms(step, n), 3)
                     times[f"{key} first"] = round(first, 3)
-                    runner.start[:B] = 300  # the verify graph moves positions on
+                    runner.start[:B] = L  # the verify graph moves positions on
                     if args.profile and dev == "cuda":
                         kernels[key] = kernel_table(step.fn)
-                        runner.start[:B] = 300
+                        runner.start[:B] = L
             del runner
             if "alone" in kinds:  # the target alone (no drafter): its one-token step, against width 1
-                plain = GraphModelRunner(target, None, 1, B, 1088, cuda_graph=dev == "cuda", attention=attention,
+                plain = GraphModelRunner(target, None, 1, B, ctx, cuda_graph=dev == "cuda", attention=attention,
                                          sampler=sampler)  # fmt: skip
-                reqs = [Request(prompt[: 300 - b], SamplingParams()) for b in range(B)]
+                reqs = [Request(prompt[: L - b], SamplingParams()) for b in range(B)]
                 for r in reqs:
                     plain.prefill(r)
                     r.output_ids.append(r.prompt_ids[-1])
                 plain._load(reqs, BatchSampling.of(top_p, torch.rand(B, 1), dev))
                 for greedy in (True, False):
-                    step, _ = plain._graph("verify", B, greedy, 1088, 1, make=True)
+                    step, _ = plain._graph("verify", B, greedy, ctx, 1, make=True)
                     key = f"{attention} {sampler} B{B} {'greedy' if greedy else 'T=1'} target-alone verify w1"
                     first = replay_ms(step, 1)
                     times[key] = round(replay_ms(step, n), 3)
                     times[f"{key} first"] = round(first, 3)
-                    plain.start[:B] = 300
+                    plain.start[:B] = L
                     if args.profile and dev == "cuda":
                         kernels[key] = kernel_table(step.fn)
-                        plain.start[:B] = 300
+                        plain.start[:B] = L
                 del plain
             if dev == "cuda":
                 torch.cuda.empty_cache()
@@ -2157,6 +2160,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--steps-attention", default="live", help="steps: the target's attention backends timed (e.g. sdpa,live)"
+    )
+    ap.add_argument(
+        "--steps-prompt-tokens", type=int, default=300, help="steps: each row's context (positions), ~this many"
     )
     ap.add_argument(
         "--steps-kinds",
