@@ -48,6 +48,8 @@ def replay(
     retire_global: bool = False,
     between: dict[int, float] | None = None,
     fixed: int | None = None,
+    noise: float = 0.0,
+    seed: int = 0,
 ) -> dict:
     """Tokens per ms over every request in turn: the fixed width (``overrides`` None) or the planner.
     ``stay``: a width-1 step leaves the traced step it stood for to the next step (the text moved on by
@@ -58,7 +60,11 @@ def replay(
     rates, the rule before the forty-seventh session, not on the request's own). ``between``: verify widths
     between 1 and the full one (ms of each step) that the planner may pick too, a step at width ``w`` taking
     the traced step's first ``w - 1`` drafts (exact at T=0, where the drafts are the block's); ``fixed``: the
-    fixed width replayed (``overrides`` None), one of ``between`` or the full one."""
+    fixed width replayed (``overrides`` None), one of ``between`` or the full one. ``noise`` > 0: the planner
+    is given no costs but learns them from each step's time, the true cost times ``exp(noise * N(0, 1))``,
+    starting from a start-up profile at 1/1.3 of the true costs (the replays leave out host work)."""
+    import math
+    import random
     from dflash2.engine.planner import Planner, PlannerConfig
 
     between = between or {}
@@ -66,11 +72,19 @@ def replay(
     planner = None
     if overrides is not None:
         cfg = PlannerConfig(mode="auto", widths=tuple(sorted(between)), **overrides)
-        given = {(1, w): c / 1e3 for w, c in ms_of.items()}
+        given = {(1, w): c / 1e3 for w, c in ms_of.items()} | ({(1, 0): plain_ms / 1e3} if plain_ms else {})
         # (the widths' costs as a start-up profile too: with graphs of their own, widths between count as the
         # ends do, Planner._counted)
-        planner = Planner(width, cfg, costs=given | ({(1, 0): plain_ms / 1e3} if plain_ms else {}), profile=given)
+        if noise:
+            planner = Planner(width, cfg, profile={k: c / 1.3 for k, c in given.items()})
+        else:
+            planner = Planner(width, cfg, costs=given, profile=given)
         planner.widths = tuple(sorted(ms_of))
+    rng = random.Random(seed)
+
+    def timed(ms: float) -> float | None:  # a step's time as the planner sees it (None: given costs)
+        return ms / 1e3 * math.exp(noise * rng.gauss(0, 1)) if noise else None
+
     tokens, ms, ones, steps, plain_reqs = 0, 0.0, 0, 0, 0
     by_width: collections.Counter = collections.Counter()
     admits = planner is not None and plain_ms is not None
@@ -81,7 +95,7 @@ def replay(
         left = sum(n + 1 for n in rest)
         tokens, ms = tokens + left, ms + left * plain_ms
         for _ in range(left):
-            planner.observe_plain(1, None, fade=fade)
+            planner.observe_plain(1, timed(plain_ms), fade=fade)
 
     for k, ns in enumerate(reqs):
         rid = f"r{k}"
@@ -100,7 +114,7 @@ def replay(
             tokens, ms, ones, steps = tokens + got + 1, ms + ms_of[w], ones + (w == 1), steps + 1
             by_width[w] += 1
             if planner is not None:
-                planner.observe([rid], [got], w, 1, None)
+                planner.observe([rid], [got], w, 1, timed(ms_of[w]))
         if planner is not None:
             planner.forget(rid)
     return {
@@ -164,6 +178,8 @@ def main() -> None:
     ap.add_argument(
         "--between", default="", help="verify widths between 1 and --width the planner may pick, with their ms: 5:2.68"
     )
+    ap.add_argument("--cost-noise", type=float, default=0.0, help="the planner learns costs from times this noisy")
+    ap.add_argument("--seeds", type=int, default=1, help="with --cost-noise: the replay's mean over this many seeds")
     args = ap.parse_args()
     between = {int(w): float(c) for w, c in (x.split(":") for x in args.between.split(",") if x)}
     reqs = load(args.trace, args.temperature, args.suite) * args.repeat
@@ -188,7 +204,15 @@ def main() -> None:
         print(f"  auto {spec:<32} log-loss of the per-request estimate {log_loss(reqs, args.width, over):.4f}")
         for stay in (False, True):
             for fade in (True, False) if args.plain_ms else (True,):
-                r = replay(reqs, args.width, (c1, cw), over, stay, args.plain_ms, fade, args.retire_global, between)
+                runs = [
+                    replay(reqs, args.width, (c1, cw), over, stay, args.plain_ms, fade, args.retire_global, between,
+                           noise=args.cost_noise, seed=k)
+                    for k in range(args.seeds if args.cost_noise else 1)
+                ]  # fmt: skip
+                r = {
+                    k: sum(x[k] for x in runs) / len(runs) for k in ("tokens_per_ms", "width1_share", "plain_requests")
+                }
+                r["by_width"] = runs[0]["by_width"]
                 tag = f"{'stays' if stay else 'skips'}{(' fade ' + ('on' if fade else 'off')) if args.plain_ms else ''}"
                 print(
                     f"  auto {spec:<32} {tag} {r['tokens_per_ms']:.3f} tokens/ms ({r['tokens_per_ms'] / fixed:.3f} "
