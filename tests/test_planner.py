@@ -607,6 +607,15 @@ def test_retire_only_after_costs_are_measured_and_drafting_cannot_pay():
     retired = [d for d in p.state()["decisions"] if d["decision"] == "retire"]
     assert len(retired) == 3 and retired[-1]["bucket"] == 4 and retired[-1]["gain"] == pytest.approx(0.98, abs=0.01)
     assert retired[-1]["full"][0] == pytest.approx(41 / 0.98, abs=0.01) and retired[-1]["plain"][0] == 10.0
+    # with the step times measured last, oldest first (6 here; at most 16)
+    assert retired[-1]["recent_ms"] == [["4x1", 10.0]] * 6
+    for k in range(20):
+        p.observe(["a"], [0], W, 4, 0.001 * k)
+    p.costs[(4, W)] = 0.041 / 0.98
+    p.steps += p.steps % 2
+    assert p.retire(4)
+    recent = p.state()["decisions"][-1]["recent_ms"]
+    assert len(recent) == 16 and recent[-1] == [f"4x{W}", 19.0] and recent[0] == [f"4x{W}", 4.0]
     off = Planner(W, PlannerConfig(mode="off", probe_every=4))
     off.costs = dict(p.costs)
     off.steps = 10

@@ -45,6 +45,7 @@ import hashlib
 import json
 import math
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -430,6 +431,11 @@ class Planner:
     # width-1 steps tried there for it
     want_plain: set[int] = field(default_factory=set)
     plain_tries: dict[int, int] = field(default_factory=dict)
+    # the last step times measured, (bucket, width, seconds), kept with each decision. Why: on the H100 at one
+    # held-out request the full width's running average stood 5-11% over its steps' mean at every retirement,
+    # which neither the acceptance nor noisy costs explained in the replay (docs/benchmarks.md, forty-eighth
+    # session)
+    recent: deque = field(default_factory=lambda: deque(maxlen=16))
 
     def __post_init__(self):
         self.counts = AcceptanceCounts(
@@ -720,6 +726,7 @@ class Planner:
                 "full": priced(self.width),
                 "plain": priced(0) if self.cost(bucket, 0) is not None else priced(1),
                 "rates": [round(float(x), 3) for x in self.counts.prior_rates()],
+                "recent_ms": [[f"{b}x{w}", round(1e3 * t, 3)] for b, w, t in self.recent],  # oldest first
             }
         )
         del self.decisions[:-keep]
@@ -744,6 +751,7 @@ class Planner:
             self.samples[key] = n
         w = 1 - self.cfg.cost_decay if n is None else max(1 / n, 1 - self.cfg.cost_decay)
         self.costs[key] = (1 - w) * self.costs.get(key, 0.0) + w * seconds
+        self.recent.append((*key, seconds))
         self.measured_at[key] = self.steps
         self._rescale(key)
 
