@@ -231,7 +231,9 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
             return None
         order.append(name)
         tps = speed[name][(sum(1 for n in order if n == name) - 1) % 2]
-        return es.ConcurrencyRow(name, c, 2, 100, 100 / tps, tps, 2.0 if draft else 1.0, 1.0, 2.0, 3.0)
+        row = es.ConcurrencyRow(name, c, 2, 100, 100 / tps, tps, 2.0 if draft else 1.0, 1.0, 2.0, 3.0)
+        row.gc_seconds = 0.25 if draft else 0.0  # a collection in each of the drafting row's rounds
+        return row
 
     class T:
         tokenizer = None
@@ -272,6 +274,10 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
     assert (target.round_tokens_per_s, target.round_slots) == ([10.0, 30.0], [0, 3])
     assert spec.speedup == pytest.approx(40.0 / target.tokens_per_s)
     assert spec.accept_length == pytest.approx(2.0)
+    # the collections' time over the rounds, in the table's last column (ms)
+    assert (target.gc_seconds, spec.gc_seconds) == (0.0, 0.5)
+    lines = es.table(rows).splitlines()
+    assert lines[0].split()[-2:] == ["gc", "ms"] and [x.split()[-1] for x in lines[1:3]] == ["0", "500"]
 
 
 def test_engine_speed_stops_rounds_and_levels_at_the_deadline(monkeypatch):

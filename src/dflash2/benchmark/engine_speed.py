@@ -42,6 +42,7 @@ class ConcurrencyRow:
     # step and their number by generation (0, 1, 2)
     gc_ms_per_step: float = 0.0
     gc_collections: list = field(default_factory=lambda: [0, 0, 0])
+    gc_seconds: float = 0.0  # their whole time (all rounds: the table's "gc ms")
     step_seconds: float = 0.0  # of ``seconds``: in batched decode steps
     prefill_seconds: float = 0.0  # of ``seconds``: in prefill chunks (the rest: the host between them)
     # with the planner on: its step costs (ms by "bucket x width") and every request's acceptance per
@@ -216,6 +217,7 @@ def measure(
         overlap_ms_per_step=1e3 * s.overlap_s / steps,
         prefill_shapes=prefill_shapes,
         gc_ms_per_step=1e3 * pauses.seconds / steps,
+        gc_seconds=pauses.seconds,
         gc_collections=list(pauses.count),
     )
 
@@ -258,6 +260,7 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
         prefill_shapes=rows[-1].prefill_shapes,
         gc_ms_per_step=avg("gc_ms_per_step"),
         gc_collections=[sum(c) for c in zip(*(r.gc_collections for r in rows))],
+        gc_seconds=sum(r.gc_seconds for r in rows),
     )
 
 
@@ -372,7 +375,7 @@ def run(
 def table(rows: list[ConcurrencyRow]) -> str:
     out = [
         f"{'config':<40}{'conc':>5}{'tok/s':>9}{'AL':>6}{'speedup':>9}{'width':>7}{'draft ms':>10}{'verify ms':>10}"
-        f"{'other ms':>9}{'rounds':>7}{'tok/s range':>16}{'wall % decode/prefill/host':>28}"
+        f"{'other ms':>9}{'rounds':>7}{'tok/s range':>16}{'wall % decode/prefill/host':>28}{'gc ms':>8}"
     ]
     for r in rows:
         split = [r.step_seconds, r.prefill_seconds, r.seconds - r.step_seconds - r.prefill_seconds]
@@ -381,6 +384,7 @@ def table(rows: list[ConcurrencyRow]) -> str:
             f"{r.config:<40}{r.concurrency:>5}{r.tokens_per_s:>9.1f}{r.accept_length:>6.2f}{r.speedup:>8.2f}x"
             f"{r.mean_width:>7.2f}{r.draft_ms_per_step:>10.1f}{r.verify_ms_per_step:>10.1f}{r.overhead_ms_per_step:>9.1f}"
             f"{r.rounds:>7}{f'{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}':>16}{split_txt:>28}"
+            f"{1e3 * r.gc_seconds:>8.0f}"
         )
     return "\n".join(out)
 
