@@ -323,7 +323,7 @@ def run(
             for p, label in planners
             for w in widths
             for v in verifiers
-            if p == "auto" or ":" not in p or _planner_at(p, w)[1]  # (no row of widths between that has none)
+            if ":" not in p or _planner_at(p, w)[1]  # (no row of widths between where none lie under w)
         ]
     rows, slot, level_s = [], 0, 0.0
     try:
