@@ -206,7 +206,8 @@ def test_the_server_freezes_its_start_up_heap_and_counts_collections(server):
     assert frozen > 50_000  # the models and libraries, not a handful
     _chat(_client(url), PROMPTS[0])
     m = _metrics(url)
-    assert m["dflash2_gc_frozen_objects"] == frozen
+    # (no freeze since; a frozen object that dies by reference counting leaves the count: a few)
+    assert 0.99 * frozen <= m["dflash2_gc_frozen_objects"] <= frozen
     assert m["dflash2_gc_pause_seconds_total"] >= 0 and 'dflash2_gc_collections_total{generation="0"}' in m
 
 
