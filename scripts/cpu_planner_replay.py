@@ -50,6 +50,7 @@ def replay(
     fixed: int | None = None,
     noise: float = 0.0,
     seed: int = 0,
+    growth: float = 0.0,
 ) -> dict:
     """Tokens per ms over every request in turn: the fixed width (``overrides`` None) or the planner.
     ``stay``: a width-1 step leaves the traced step it stood for to the next step (the text moved on by
@@ -62,7 +63,9 @@ def replay(
     the traced step's first ``w - 1`` drafts (exact at T=0, where the drafts are the block's); ``fixed``: the
     fixed width replayed (``overrides`` None), one of ``between`` or the full one. ``noise`` > 0: the planner
     is given no costs but learns them from each step's time, the true cost times ``exp(noise * N(0, 1))``,
-    starting from a start-up profile at 1/1.3 of the true costs (the replays leave out host work)."""
+    starting from a start-up profile at 1/1.3 of the true costs (the replays leave out host work). ``growth``:
+    every step costs ``1 + growth * f`` times its width's, ``f`` the share of its request's text already out
+    (contexts grow: the GPU's steps cost more toward a request's end)."""
     import math
     import random
     from dflash2.engine.planner import Planner, PlannerConfig
@@ -85,36 +88,41 @@ def replay(
     def timed(ms: float) -> float | None:  # a step's time as the planner sees it (None: given costs)
         return ms / 1e3 * math.exp(noise * rng.gauss(0, 1)) if noise else None
 
+    def grown(ms: float, done: float, total: int) -> float:  # a step's true cost, ``done`` of ``total`` steps in
+        return ms * (1 + growth * done / max(total, 1))
+
     tokens, ms, ones, steps, plain_reqs = 0, 0.0, 0, 0, 0
     by_width: collections.Counter = collections.Counter()
     admits = planner is not None and plain_ms is not None
 
-    def alone(rest: list[int]) -> None:
-        """The text's remaining tokens (``rest``: its traced steps) by the target alone, a step each."""
+    def alone(rest: list[int], steps_of: int) -> None:
+        """The text's remaining tokens (``rest``: the last of its ``steps_of`` traced steps) by the target
+        alone, a step each."""
         nonlocal tokens, ms
         left = sum(n + 1 for n in rest)
-        tokens, ms = tokens + left, ms + left * plain_ms
-        for _ in range(left):
-            planner.observe_plain(1, timed(plain_ms), fade=fade)
+        for k in range(left):
+            c = grown(plain_ms, steps_of - len(rest) + len(rest) * k / left, steps_of)
+            tokens, ms = tokens + 1, ms + c
+            planner.observe_plain(1, timed(c), fade=fade)
 
     for k, ns in enumerate(reqs):
         rid = f"r{k}"
         i = 0
         if admits and not planner.speculate_new(1, 1):
-            alone(ns)
+            alone(ns, len(ns))
             i, plain_reqs = len(ns), plain_reqs + 1
         while i < len(ns):
             if admits and planner.retire(1, None if retire_global else [rid]):
-                alone(ns[i:])
+                alone(ns[i:], len(ns))
                 break
             n = ns[i]
             w = (fixed or width) if planner is None else planner.choose([rid], 1)
+            got, c = min(n, w - 1), grown(ms_of[w], i, len(ns))
             i += 1 if w > 1 or not stay else 0
-            got = min(n, w - 1)
-            tokens, ms, ones, steps = tokens + got + 1, ms + ms_of[w], ones + (w == 1), steps + 1
+            tokens, ms, ones, steps = tokens + got + 1, ms + c, ones + (w == 1), steps + 1
             by_width[w] += 1
             if planner is not None:
-                planner.observe([rid], [got], w, 1, timed(ms_of[w]))
+                planner.observe([rid], [got], w, 1, timed(c))
         if planner is not None:
             planner.forget(rid)
     return {
@@ -180,6 +188,9 @@ def main() -> None:
     )
     ap.add_argument("--cost-noise", type=float, default=0.0, help="the planner learns costs from times this noisy")
     ap.add_argument("--seeds", type=int, default=1, help="with --cost-noise: the replay's mean over this many seeds")
+    ap.add_argument(
+        "--cost-growth", type=float, default=0.0, help="a step at a request's end costs 1 + this times more"
+    )
     args = ap.parse_args()
     between = {int(w): float(c) for w, c in (x.split(":") for x in args.between.split(",") if x)}
     reqs = load(args.trace, args.temperature, args.suite) * args.repeat
@@ -190,11 +201,12 @@ def main() -> None:
     for run in (1, 2, 3):
         p, q, m = recovery(reqs, run)
         print(f"  P(any draft accepted) {p:.3f}; after {run} empty step(s) {q:.3f} ({m} steps)")
-    fixed = replay(reqs, args.width, (c1, cw), None)["tokens_per_ms"]
-    print(f"  target alone {1 / c1:.3f} tokens/ms; fixed w{args.width} {fixed:.3f} ({fixed * c1:.3f}x)")
+    fixed = replay(reqs, args.width, (c1, cw), None, growth=args.cost_growth)["tokens_per_ms"]
+    alone = c1 * (1 + args.cost_growth / 2)  # (the target alone's mean step, as it grows)
+    print(f"  target alone {1 / alone:.3f} tokens/ms; fixed w{args.width} {fixed:.3f} ({fixed * alone:.3f}x)")
     for w in sorted(between):  # (from the full width's trace: its first w - 1 drafts)
-        r = replay(reqs, args.width, (c1, cw), None, between=between, fixed=w)["tokens_per_ms"]
-        print(f"  fixed w{w} {r:.3f} ({r * c1:.3f}x; {r / fixed:.3f} of fixed w{args.width})")
+        r = replay(reqs, args.width, (c1, cw), None, between=between, fixed=w, growth=args.cost_growth)["tokens_per_ms"]
+        print(f"  fixed w{w} {r:.3f} ({r * alone:.3f}x; {r / fixed:.3f} of fixed w{args.width})")
     for spec in args.configs.split(";"):
         over = {} if spec == "default" else {k: float(v) for k, v in (kv.split("=") for kv in spec.split(","))}
         over = {
@@ -206,7 +218,7 @@ def main() -> None:
             for fade in (True, False) if args.plain_ms else (True,):
                 runs = [
                     replay(reqs, args.width, (c1, cw), over, stay, args.plain_ms, fade, args.retire_global, between,
-                           noise=args.cost_noise, seed=k)
+                           noise=args.cost_noise, seed=k, growth=args.cost_growth)
                     for k in range(args.seeds if args.cost_noise else 1)
                 ]  # fmt: skip
                 r = {

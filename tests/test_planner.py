@@ -584,6 +584,29 @@ def test_speculate_new_requests_only_where_drafting_pays():
     assert sched.speculate_new(8, 8) and not sched.speculate_new(9, 12)
 
 
+@pytest.mark.parametrize("slow", [0.98, 0.8])
+def test_admission_and_retirement_read_the_slow_cost_not_the_last_steps(slow):
+    """A step's cost grows with its requests' contexts, and a wave finishing runs its dearest steps just
+    before the next admission: the lifetime decisions read the slow average (``decision_cost_decay``),
+    the per-step width the fast one. Here 100 full-width steps at 20 ms, then the wave's last 10 at
+    32 ms; the requests accept 1.8 of 4 drafts on average (2.8 tokens a step against 1 in 10 ms): 1.4x
+    the target alone over the wave, 0.9x at its end. With the slow average as fast as the step's
+    (0.8, the rule before), the next admission does not draft and the batch retires."""
+    p = Planner(W, PlannerConfig(mode="auto", probe_every=4, retire_every=2, decision_cost_decay=slow))
+    rids = [f"r{i}" for i in range(4)]
+    p.costs[(4, 1)] = 0.010  # (given: the target alone's step)
+    rng = np.random.default_rng(0)
+    for k in range(110):
+        p.observe(rids, rng.binomial(4, 0.45, 4).tolist(), W, 4, 0.020 if k < 100 else 0.032)
+        p.fold()
+    assert p.cost(4, W) > 0.030  # the fast average: the wave's end
+    assert p.cost(4, W, lifetime=True) < 0.023 if slow == 0.98 else p.cost(4, W, lifetime=True) > 0.030
+    gain = p.drafting_gain(4)
+    assert p.speculate_new(4, 4) == (slow == 0.98) and (gain > 1.2 if slow == 0.98 else gain < 1.05)
+    assert p.retire(4, rids) == (slow == 0.8)  # (priced on their own rates: 0.91)
+    assert p.state()["decision_cost_ms"]["4x5"] == pytest.approx(1e3 * p.cost(4, W, lifetime=True), abs=1e-3)
+
+
 def test_retire_only_after_costs_are_measured_and_drafting_cannot_pay():
     """Drafting requests stop for good only in auto, after probe_every steps, where the best drafting
     width falls short of the target alone; never while it pays."""
@@ -1012,8 +1035,8 @@ def test_auto_admits_without_drafting_while_a_request_that_does_not_draft_runs(l
     assert eng.stats.requests_not_drafting == 2 and eng.stats.requests_retired == 0
     while not reqs[0].finished:
         eng.step()
-    for B in range(1, 5):  # the plain steps measured on this CPU: set back, so drafting pays
-        eng.planner.costs[(B, 0)] = 0.010
+    for B in range(1, 5):  # the plain steps measured on this CPU (both averages): set back, so drafting pays
+        eng.planner.costs[(B, 0)] = eng.planner.slow_costs[(B, 0)] = 0.010
     eng.add_request(reqs[2])
     eng.run_until_done()
     assert reqs[2].speculate and reqs[2].width_sum > reqs[2].verify_steps  # drafted, at full width

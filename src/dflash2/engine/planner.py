@@ -116,6 +116,15 @@ class PlannerConfig:
     prior_drafts: float = 20.0  # pseudo-drafts of the prior in every request's estimate, per position
     decay: float = 0.9  # per step, on a request's counts (recent steps matter most)
     cost_decay: float = 0.8  # weight of the old average when a step's time comes in
+    # the same for a second, slower average of each measured cost, which prices the lifetime decisions
+    # (admission, retirement: :meth:`Planner.drafting_gain`); the per-step width keeps the fast one. Why:
+    # a step's cost grows with its requests' contexts, and those decisions fall where the contexts are
+    # longest (a request, or a wave of them, finishing) and hold for requests that start short: on the H100
+    # at 64 GSM8K requests, T=1, the fast average of the full width stood at 6.09 ms (its last 16 steps
+    # 5.1-6.4 ms) against 5.52 over the row, and admission stopped drafting at a priced 1.05x where the
+    # fixed widths served 1.13-1.22x; at one held-out request each retirement read 3.15 ms against a mean
+    # of 2.99 (docs/benchmarks.md, forty-ninth session)
+    decision_cost_decay: float = 0.98
     # a width between 1 and the full one must beat both ends by this much more: its cost is interpolated
     # until it runs (measured with the one-rate acceptance model of session 15: without a margin, greedy
     # at 16 requests on the CPU fell from 1.5x to 1.2x of the target alone)
@@ -172,6 +181,7 @@ class PlannerConfig:
             "prior",
             "decay",
             "cost_decay",
+            "decision_cost_decay",
             "between_margin",
             "global_decay",
             "probe_reach",
@@ -393,6 +403,8 @@ class Planner:
     width: int  # the full width (the runner's)
     cfg: PlannerConfig = field(default_factory=PlannerConfig)
     costs: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, width) -> seconds, run or given
+    # the measured ones' slow averages (PlannerConfig.decision_cost_decay): what admission and retirement read
+    slow_costs: dict[tuple[int, int], float] = field(default_factory=dict)
     # the start-up profile (graph replays), read where a shape has not run, scaled by what the run
     # shapes of that width cost live over their profile (:meth:`cost`)
     profile: dict[tuple[int, int], float] = field(default_factory=dict)
@@ -633,9 +645,10 @@ class Planner:
         position, or ``rids``' own: a running batch's) over the target alone's (width 0 measured, else
         width 1); None before both costs are known. ``strict`` (admission): a width between counts only
         where it clears the margin over both ends, as :meth:`_choose` takes it; retirement, which is for
-        good, counts every width."""
-        plain = self.cost(bucket, 0) or self.cost(bucket, 1)
-        cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {self.width}) if w > 1}
+        good, counts every width. Priced on the slow cost averages (the decision holds for a request's
+        lifetime: :attr:`PlannerConfig.decision_cost_decay`)."""
+        plain = self.cost(bucket, 0, lifetime=True) or self.cost(bucket, 1, lifetime=True)
+        cost = {w: self.cost(bucket, w, lifetime=True) for w in sorted(set(self.widths) | {self.width}) if w > 1}
         if plain is None or cost[self.width] is None:
             return None
         if rids:
@@ -711,7 +724,7 @@ class Planner:
         """One entry of :attr:`decisions`: the step, the decision, and what priced it at ``bucket``."""
 
         def priced(w: int) -> list:  # [ms, how: steps measured here, else "given", "profile" or "derived"]
-            c, key = self.cost(bucket, w), (bucket, w)
+            c, key = self.cost(bucket, w, lifetime=True), (bucket, w)
             how = self.samples.get(key) or next(
                 (name for name, d in (("given", self.costs), ("profile", self.profile)) if key in d), "derived"
             )
@@ -724,7 +737,7 @@ class Planner:
                 "bucket": bucket,
                 "gain": None if gain is None else round(gain, 3),
                 "full": priced(self.width),
-                "plain": priced(0) if self.cost(bucket, 0) is not None else priced(1),
+                "plain": priced(0) if self.cost(bucket, 0, lifetime=True) is not None else priced(1),
                 "rates": [round(float(x), 3) for x in self.counts.prior_rates()],
                 "recent_ms": [[f"{b}x{w}", round(1e3 * t, 3)] for b, w, t in self.recent],  # oldest first
             }
@@ -751,6 +764,9 @@ class Planner:
             self.samples[key] = n
         w = 1 - self.cfg.cost_decay if n is None else max(1 / n, 1 - self.cfg.cost_decay)
         self.costs[key] = (1 - w) * self.costs.get(key, 0.0) + w * seconds
+        if n is not None:  # (an injected cost stays as given for the decisions too)
+            w = max(1 / n, 1 - self.cfg.decision_cost_decay)
+            self.slow_costs[key] = (1 - w) * self.slow_costs.get(key, 0.0) + w * seconds
         self.recent.append((*key, seconds))
         self.measured_at[key] = self.steps
         self._rescale(key)
@@ -760,6 +776,7 @@ class Planner:
         part of the live scale."""
         for key in [k for k, at in self.measured_at.items() if self.steps - at > self.cfg.stale_after]:
             del self.costs[key], self.measured_at[key]
+            self.slow_costs.pop(key, None)
             self.samples.pop(key, None)
             if self._log_ratio.get(key[1], {}).pop(key[0], None) is not None:
                 self._rescore(key[1])
@@ -798,22 +815,27 @@ class Planner:
             return self.scale[1 - width]
         return self.scale.get(width, self._borrowed)
 
-    def cost(self, bucket: int, width: int) -> float | None:
+    def _measured(self, key: tuple[int, int], lifetime: bool = False) -> float | None:
+        """The cost measured (or given) for ``key``; ``lifetime``: its slow average where it has one."""
+        c = self.costs.get(key)
+        return self.slow_costs.get(key, c) if lifetime and c is not None else c
+
+    def cost(self, bucket: int, width: int, lifetime: bool = False) -> float | None:
         """:meth:`_cost` with a one-token step capped by the wider steps measured at ``bucket`` (the
         target alone, by width 1 of drafting requests): a wider step verifies more tokens and runs the
         draft, so anything else is noise. Why: on the CPU at 16 requests, T=1, two width-1 steps measured
         at 350 ms (the width-2 steps beside them: 250-330 ms) priced the target alone at 1.7x what it
         cost; width 1 was then never within reach of a probe, and drafting went on at a 2x estimated
         gain where it lost (docs/benchmarks.md, twenty-fourth session)."""
-        c = self._cost(bucket, width)
+        c = self._cost(bucket, width, lifetime)
         if c is None or width > 1:
             return c
-        caps = [self.costs.get((bucket, w)) for w in (self.widths or (self.width,)) if w > 1]
+        caps = [self._measured((bucket, w), lifetime) for w in (self.widths or (self.width,)) if w > 1]
         if width == 0:
-            caps.append(self.cost(bucket, 1))
+            caps.append(self.cost(bucket, 1, lifetime))
         return min([c] + [x for x in caps if x is not None])
 
-    def _cost(self, bucket: int, width: int) -> float | None:
+    def _cost(self, bucket: int, width: int, lifetime: bool = False) -> float | None:
         """Seconds of a step at ``width`` (0: the target alone beside a drafter): measured at this
         bucket; else profiled, times what the shapes of that width that ran cost live over their
         profile (:meth:`_scale_of`: the other widths' where none has run); eager, by its tokens
@@ -826,13 +848,13 @@ class Planner:
         (docs/benchmarks.md, nineteenth session)."""
         key = (bucket, width)
         if key in self.costs:
-            return self.costs[key]
+            return self._measured(key, lifetime)
         twin = (bucket, 1 - width)  # the other one-token step
         if width in (0, 1) and key in self.profile and twin in self.costs and self.profile.get(twin):
             # the other one-token step ran at this bucket: the same host work per request, so its live
             # time scaled by the two replays. Why: a scale borrowed from other buckets missed per-request
             # host work at 128 requests (see PlannerConfig.plain_probes)
-            return self.costs[twin] * self.profile[key] / self.profile[twin]
+            return self._measured(twin, lifetime) * self.profile[key] / self.profile[twin]
         if key in self.profile:
             return self.profile[key] * self._scale_of(width)
         if width == 0:
@@ -840,9 +862,9 @@ class Planner:
         if self._any_width():  # eager: by its tokens
             return self._token_cost(bucket * width)
         if 1 < width < self.width:
-            lo, hi = self.cost(bucket, 1), self.cost(bucket, self.width)
+            lo, hi = self.cost(bucket, 1, lifetime), self.cost(bucket, self.width, lifetime)
             return None if lo is None or hi is None else lo + (hi - lo) * (width - 1) / (self.width - 1)
-        other = self.costs.get((bucket, self.width if width == 1 else 1))
+        other = self._measured((bucket, self.width if width == 1 else 1), lifetime)
         if other is None or self.ratio is None:
             return self._between_buckets(bucket, width)
         return other * self.ratio if width == 1 else other / self.ratio
@@ -958,11 +980,13 @@ class Planner:
             self.fold()
 
     def state(self) -> dict:
-        """What the planner knows (benchmark rows): step costs in ms by "bucket x width", every
+        """What the planner knows (benchmark rows): step costs in ms by "bucket x width" (the fast average,
+        and the slow one the decisions about drafting at all read), every
         request's acceptance per draft position, and the steps run at each width."""
         self.fold()
         return {
             "cost_ms": {f"{b}x{w}": round(1e3 * t, 3) for (b, w), t in sorted(self.costs.items())},
+            "decision_cost_ms": {f"{b}x{w}": round(1e3 * t, 3) for (b, w), t in sorted(self.slow_costs.items())},
             "profile_scale": {w: round(x, 3) for w, x in sorted(self.scale.items())},
             "prior_rates": [round(float(x), 3) for x in self.counts.prior_rates()],
             "confidence_fit": self.calibration.state() if self.calibration.fitted else None,
