@@ -850,11 +850,12 @@ class Planner:
         if key in self.costs:
             return self._measured(key, lifetime)
         twin = (bucket, 1 - width)  # the other one-token step
-        if width in (0, 1) and key in self.profile and twin in self.costs and self.profile.get(twin):
+        ran = self._measured(twin, lifetime) if width in (0, 1) else None
+        if ran is not None and key in self.profile and self.profile.get(twin):
             # the other one-token step ran at this bucket: the same host work per request, so its live
             # time scaled by the two replays. Why: a scale borrowed from other buckets missed per-request
             # host work at 128 requests (see PlannerConfig.plain_probes)
-            return self._measured(twin, lifetime) * self.profile[key] / self.profile[twin]
+            return ran * self.profile[key] / self.profile[twin]
         if key in self.profile:
             return self.profile[key] * self._scale_of(width)
         if width == 0:
