@@ -1098,20 +1098,21 @@ def test_a_batch_at_width_1_probes_drafting_at_the_cheapest_width_that_sees_acce
 
 
 def test_deferred_counts_fold_in_order_and_forget_leaves_no_row():
-    """``observe(defer=True)`` counts the step's cost and width now and its acceptance at ``fold``
+    """``observe(defer=True)`` counts the step and its width now, its acceptance and cost at ``fold``
     (the engine's overlap with the next step): the same estimates as folding at once, a choice in
-    between reads the counts as they were, and a forgotten request keeps no row."""
+    between reads the counts and costs as they were, and a forgotten request keeps no row."""
     now, later = Planner(W, PlannerConfig(mode="auto")), Planner(W, PlannerConfig(mode="auto"))
     rids = ["a", "b", "c"]
     for k in range(12):
         acc = [k % 5, (k + 2) % 5, 4]
-        now.observe(rids, acc, W, 4, 0.01)
-        before = later.expected_by_width(rids)
-        later.observe(rids, acc, W, 4, 0.01, defer=True)
-        assert later.steps == now.steps and later.current == W and later.costs == now.costs
-        assert (later.expected_by_width(rids) == before).all()  # not folded yet
+        now.observe(rids, acc, W, 4, 0.01 + 0.001 * k)
+        before, costs = later.expected_by_width(rids), dict(later.costs)
+        later.observe(rids, acc, W, 4, 0.01 + 0.001 * k, defer=True)
+        assert later.steps == now.steps and later.current == W
+        assert (later.expected_by_width(rids) == before).all() and later.costs == costs  # not folded yet
         later.fold()
         assert later.expected_by_width(rids) == pytest.approx(now.expected_by_width(rids), abs=0)
+        assert later.costs == now.costs and later.slow_costs == now.slow_costs
     later.observe(rids, [1, 1, 1], W, 4, 0.01, defer=True)
     later.forget("b")  # folds the pending step first: "b" is not counted again after it is gone
     later.fold()

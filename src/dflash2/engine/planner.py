@@ -429,7 +429,7 @@ class Planner:
     counts: AcceptanceCounts = field(init=False)  # per request and position
     calibration: ConfidenceCalibration = field(init=False)  # acceptance from the draft's confidence (trim)
     # a step observed, its counts not folded yet: (requests, accepted, width, the draft's confidence)
-    _pending: tuple[list[str], list[int], int, np.ndarray | None] | None = None
+    _pending: tuple[list[str], list[int], int, np.ndarray | None, int, float | None] | None = None
     _gone: list[str] = field(default_factory=list)  # finished requests whose rows :meth:`fold` frees
     _fit: tuple[float, float] | None = None  # eager: (fixed, per token) seconds, see _token_cost
     _fit_sig: tuple[int, float] = (-1, 0.0)  # the costs it was fitted on
@@ -928,23 +928,18 @@ class Planner:
         that is not the width's alone, a prompt ran with the step); ``width``: the width verified,
         ``confidence``: the draft's per slot, where the step was trimmed. ``defer``: the acceptance counts
         wait for :meth:`fold` (the engine calls it while the GPU runs the next step, so the next
-        choice sees them one step late); the step's cost and width count now."""
+        choice sees them one step late, and so does the step's cost); the step and its width count now.
+        Why the cost too: at one request on the H100 the planner's host work between steps was 0.03-0.04 ms
+        over the fixed width's (plan ms a step), ~2% of a 2 ms step (docs/benchmarks.md, forty-ninth
+        session); the choice made while the next step runs has seen the cost already (it folds first)."""
         if not self.adapts:
             return
-        if seconds is not None:
-            self._measure((bucket, width), seconds)
-        if width == 1 and bucket in self.want_plain:
-            self.plain_tries[bucket] = self.plain_tries.get(bucket, 0) + 1
-        self.steps += 1
-        if self.steps % self.cfg.retire_every == 0:
-            self._expire()
-        self.probed = self._probed_after(width, self.steps)
-        self.last_run[width], self.current = self.steps, width
-        if (bucket, 1) in self.costs and (bucket, self.width) in self.costs:
-            self.ratio = self.costs[(bucket, 1)] / self.costs[(bucket, self.width)]
         self._fold_pending()  # an earlier deferred step first, in order (the finished requests' rows
         # are freed by the next fold, off the critical path: this step's counts leave them out)
-        self._pending = (list(rids), list(accepted), width, confidence)
+        self.steps += 1
+        self.probed = self._probed_after(width, self.steps)
+        self.last_run[width], self.current = self.steps, width
+        self._pending = (list(rids), list(accepted), width, confidence, bucket, seconds)
         if not defer:
             self.fold()
 
@@ -961,8 +956,16 @@ class Planner:
 
     def _fold_pending(self) -> None:
         if self._pending is not None:
-            rids, accepted, width, confidence = self._pending
+            rids, accepted, width, confidence, bucket, seconds = self._pending
             self._pending = None
+            if seconds is not None:
+                self._measure((bucket, width), seconds)
+            if width == 1 and bucket in self.want_plain:
+                self.plain_tries[bucket] = self.plain_tries.get(bucket, 0) + 1
+            if self.steps % self.cfg.retire_every == 0:
+                self._expire()
+            if (bucket, 1) in self.costs and (bucket, self.width) in self.costs:
+                self.ratio = self.costs[(bucket, 1)] / self.costs[(bucket, self.width)]
             if confidence is not None:  # (its rows are ``rids``')
                 self.calibration.observe(confidence, accepted, width - 1)
             if width > 1:
