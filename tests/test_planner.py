@@ -726,8 +726,25 @@ def test_drafting_requests_retire_when_drafting_stops_paying(llama, runner, monk
     for B in range(1, 5):
         eng.planner.costs[(B, W)], eng.planner.costs[(B, 1)] = 0.050, 0.010
     calls = _count_draft_forwards(monkeypatch)
+    # the check runs inside the runner's step (its overlap, behind the device on CUDA), not between steps
+    inside, checks, real_step, real_retire = [False], [], eng.runner.step, eng.planner.retire
+
+    def step(*a, **k):
+        inside[0] = True
+        try:
+            return real_step(*a, **k)
+        finally:
+            inside[0] = False
+
+    def retire(*a, **k):
+        checks.append(inside[0])
+        return real_retire(*a, **k)
+
+    monkeypatch.setattr(eng.runner, "step", step)
+    monkeypatch.setattr(eng.planner, "retire", retire)
     for _ in range(6):
         eng.step()
+    assert checks and all(checks)
     assert not any(r.speculate for r in reqs) and eng.stats.requests_retired == 3
     assert all(r.draft_cache is None for r in reqs) and eng.scheduler.lookahead(reqs[0]) == 1
     from dflash2.server.metrics import render_metrics
