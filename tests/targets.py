@@ -213,3 +213,19 @@ def exact_joint(model, prompt: list[int], n: int) -> torch.Tensor:
         return p_next(prompt)
     first = p_next(prompt)
     return torch.cat([first[a] * exact_joint(model, prompt + [a], n - 1) for a in range(first.numel())])
+
+
+def inside_runner_step(eng, monkeypatch) -> list[bool]:
+    """Wraps the engine's ``runner.step``: the returned flag's ``[0]`` is True while a step runs (where
+    the engine's overlap work runs: on CUDA, behind the device)."""
+    inside, real_step = [False], eng.runner.step
+
+    def step(*a, **k):
+        inside[0] = True
+        try:
+            return real_step(*a, **k)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(eng.runner, "step", step)
+    return inside

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from targets import VOCAB, build
+from targets import VOCAB, build, inside_runner_step
 from test_speculative import hf_greedy, random_draft
 from dflash2.engine import graph_runner
 from dflash2.engine.engine import EngineConfig, LLMEngine, RequestError
@@ -659,22 +659,13 @@ def test_prefill_runs_inside_the_decode_step(llama, runner, monkeypatch):
     t, d = llama
     eng = LLMEngine(t, d, EngineConfig(max_running_requests=2, num_draft_tokens=4, context_length=128,
                                        runner=runner, speculative_planner="off"))  # fmt: skip
-    in_step, where = [False], []
-    real_step, real_chunks = eng.runner.step, eng._prefill_chunks
-
-    def step(*a, **k):
-        in_step[0] = True
-        try:
-            return real_step(*a, **k)
-        finally:
-            in_step[0] = False
+    in_step, where, real_chunks = inside_runner_step(eng, monkeypatch), [], eng._prefill_chunks
 
     def chunks(c):
         decoding = [r for r in eng.scheduler.running if r.output_ids and not r.finished]
         where.append((in_step[0], bool(decoding), [r.request_id for r, _ in c]))
         return real_chunks(c)
 
-    monkeypatch.setattr(eng.runner, "step", step)
     monkeypatch.setattr(eng, "_prefill_chunks", chunks)
     prompts = _prompts(5, seed=11)
     reqs = [

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from targets import VOCAB, build, exact_joint, sharp_v8_llama, v8_draft
+from targets import VOCAB, build, exact_joint, inside_runner_step, sharp_v8_llama, v8_draft
 from test_hardening import _chi2_ok
 from test_speculative import hf_greedy, random_draft
 from dflash2.engine.engine import EngineConfig, LLMEngine
@@ -727,20 +727,12 @@ def test_drafting_requests_retire_when_drafting_stops_paying(llama, runner, monk
         eng.planner.costs[(B, W)], eng.planner.costs[(B, 1)] = 0.050, 0.010
     calls = _count_draft_forwards(monkeypatch)
     # the check runs inside the runner's step (its overlap, behind the device on CUDA), not between steps
-    inside, checks, real_step, real_retire = [False], [], eng.runner.step, eng.planner.retire
-
-    def step(*a, **k):
-        inside[0] = True
-        try:
-            return real_step(*a, **k)
-        finally:
-            inside[0] = False
+    inside, checks, real_retire = inside_runner_step(eng, monkeypatch), [], eng.planner.retire
 
     def retire(*a, **k):
         checks.append(inside[0])
         return real_retire(*a, **k)
 
-    monkeypatch.setattr(eng.runner, "step", step)
     monkeypatch.setattr(eng.planner, "retire", retire)
     for _ in range(6):
         eng.step()
@@ -1207,22 +1199,13 @@ def test_engine_folds_counts_while_the_step_runs_and_keeps_no_finished_row(llama
         ),
     )
     eng.planner.cfg = PlannerConfig(mode="auto", retire_every=1000)  # the random drafter keeps drafting
-    inside, folds = {"now": False}, {"in": 0, "out": 0}
-    real_step, real_fold = eng.runner.step, eng.planner.fold
-
-    def step(*a, **k):
-        inside["now"] = True
-        try:
-            return real_step(*a, **k)
-        finally:
-            inside["now"] = False
+    inside, folds, real_fold = inside_runner_step(eng, monkeypatch), {"in": 0, "out": 0}, eng.planner.fold
 
     def fold():
         if eng.planner._pending is not None:
-            folds["in" if inside["now"] else "out"] += 1
+            folds["in" if inside[0] else "out"] += 1
         real_fold()
 
-    monkeypatch.setattr(eng.runner, "step", step)
     monkeypatch.setattr(eng.planner, "fold", fold)
     prompts = [torch.randint(3, VOCAB, (5 + i,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(5)]
     reqs = [Request(p, SamplingParams(max_new_tokens=20 + 3 * i)) for i, p in enumerate(prompts)]
