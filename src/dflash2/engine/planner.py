@@ -428,7 +428,7 @@ class Planner:
     verify_costs: dict[tuple[int, int], float] = field(default_factory=dict)
     counts: AcceptanceCounts = field(init=False)  # per request and position
     calibration: ConfidenceCalibration = field(init=False)  # acceptance from the draft's confidence (trim)
-    # a step observed, its counts not folded yet: (requests, accepted, width, the draft's confidence)
+    # a step observed, not folded yet: (requests, accepted, width, the draft's confidence, bucket, seconds)
     _pending: tuple[list[str], list[int], int, np.ndarray | None, int, float | None] | None = None
     _gone: list[str] = field(default_factory=list)  # finished requests whose rows :meth:`fold` frees
     _fit: tuple[float, float] | None = None  # eager: (fixed, per token) seconds, see _token_cost
@@ -985,8 +985,8 @@ class Planner:
 
     def state(self) -> dict:
         """What the planner knows (benchmark rows): step costs in ms by "bucket x width" (the fast average,
-        and the slow one the decisions about drafting at all read), every
-        request's acceptance per draft position, and the steps run at each width."""
+        and the slow one the decisions about drafting at all read), every request's acceptance per draft
+        position, and the steps run at each width."""
         self.fold()
         return {
             "cost_ms": {f"{b}x{w}": round(1e3 * t, 3) for (b, w), t in sorted(self.costs.items())},
