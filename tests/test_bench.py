@@ -219,13 +219,14 @@ def test_widths_between_serve_the_wider_engines_only(monkeypatch):
 
 
 def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
-    """Rounds run every config once each, in an order rotated per round, and pool as
-    sum(tokens) / sum(seconds); speedup is against the pooled target row."""
+    """Rounds run every config once each, in an order rotated per round, each round on texts of its
+    own (its seeds), and pool as sum(tokens) / sum(seconds); speedup is against the pooled target row."""
     from dflash2.benchmark import engine_speed as es
 
-    order, speed, warm = [], {"target": [10.0, 30.0], "dflash2 w=5 block": [40.0, 40.0]}, []
+    order, speed, warm, seeds = [], {"target": [10.0, 30.0], "dflash2 w=5 block": [40.0, 40.0]}, [], set()
 
     def fake_measure(target, draft, ids, w, block, c, mnt, temp, name, rps=None, **kw):
+        seeds.add((name, kw["seed"]))
         if name == "warm-up":
             warm.append((c, w, len(order)))
             return None
@@ -263,6 +264,8 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
     assert order == ["target", "dflash2 w=5 block", "dflash2 w=5 block", "target"] * 2
     # every config runs once untimed at each level before its timed rounds (first-shape costs)
     assert warm == [(4, 1, 0), (4, 5, 0), (8, 1, 4), (8, 5, 4)]
+    R = es.ROUND_SEEDS  # every config the same seeds in a round, another round others, the warm-up its own
+    assert seeds == {(n, k * R) for n in ("target", "dflash2 w=5 block") for k in (0, 1)} | {("warm-up", 2 * R)}
     # each finished level is handed over at once (a run cut by a time limit keeps it)
     assert seen == [
         [("target", 4), ("dflash2 w=5 block", 4)],

@@ -14,6 +14,8 @@ from ..engine.gc_utils import GCPauses, freeze_gc
 from ..training.data import render
 from ..verification import SamplingParams
 
+ROUND_SEEDS = 1_000_000  # round k's request i samples with seed k * ROUND_SEEDS + i (run's rounds)
+
 
 @dataclass
 class ConcurrencyRow:
@@ -107,8 +109,9 @@ def measure(
     attention_backend: str = "auto",
     engine_kw: dict | None = None,
     shared: SharedEngines | None = None,
+    seed: int = 0,
 ) -> ConcurrencyRow:
-    """One config at one concurrency. ``engines``: engines kept across calls, one per config and
+    """One config at one concurrency (request ``i`` sampled with seed ``seed + i``). ``engines``: engines kept across calls, one per config and
     concurrency, so the warm-up pass and the timed rounds run on the same engine, as a warmed-up
     server would (on CUDA an engine captures its graphs when it is built). ``shared`` (instead of
     ``engines``): one engine per runner for every concurrency up to ``shared.slots`` (built with that
@@ -163,7 +166,8 @@ def measure(
     n = max(concurrency, n)
     top_p = 0.95 if temperature else 1.0
     sps = [
-        SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=i) for i in range(n)
+        SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed + i)
+        for i in range(n)
     ]
     shapes0 = {k: list(v) for k, v in getattr(eng.runner, "prefill_shapes", {}).items()}
     freeze_gc("bench row")  # what lives now (engines, earlier rows) is not walked by a collection in this row
@@ -298,6 +302,10 @@ def run(
     starts with less time left than the last level took. Why: on the H200 a call's c=128 level
     started 3.6 min before the script's deadline, ran past the call's limit, and its 4 minutes of
     device time came back with nothing (docs/gpu_runs.md, twenty-sixth session).
+    Each round samples its own texts (request ``i`` of round ``k`` seeded ``k * ROUND_SEEDS + i``). Why: with one
+    seed per request in every round a fixed width repeated the same sampled texts each round, while the
+    planner's rows (whose widths change the draws) sampled new ones: at one held-out request, T=1, 24 a round,
+    the rows' outputs differed by 10% in length (7,476-8,346 tokens) on text alone (forty-ninth session).
     ``slots`` (at least every concurrency): one engine per runner for all levels and planner rows,
     kept in ``shared`` (pass it to another call, at another temperature, to keep them there too),
     the planners restarted at each level. Why: building the engines (graph capture) took most of a
@@ -339,10 +347,11 @@ def run(
             if shared is not None:  # each level starts with planners that know their start-up profile only
                 shared.restart()
 
-            def one(name: str, d, w: int, block: bool, p: str, a: str) -> ConcurrencyRow:
+            def one(name: str, d, w: int, block: bool, p: str, a: str, k: int = 0) -> ConcurrencyRow:
                 return measure(
                     target, d, ids, w, block, c, max_new_tokens, temperature, name, requests_per_slot,
                     engines=engines, planner=p, attention_backend=a, engine_kw=engine_kw, shared=shared,
+                    seed=k * ROUND_SEEDS,
                 )  # fmt: skip
 
             # An untimed pass of every config at this level first: on the H200 the first run of each
@@ -350,12 +359,12 @@ def run(
             # target at c=1; the token rows, which ran before the block rows of the same width, took
             # the hit and the block rows after them did not), which skewed every speedup.
             for _, *config in configs if warmup else []:
-                one("warm-up", *config)
+                one("warm-up", *config, k=rounds)  # (texts of no timed round)
             for k in range(rounds):
                 if k and deadline is not None and time.time() > deadline:
                     break
                 for name, *config in configs[k % len(configs) :] + configs[: k % len(configs)]:
-                    row = one(name, *config)
+                    row = one(name, *config, k=k)
                     row.round_slots, slot = [slot], slot + 1
                     done[name].append(row)
             level = [pool_rounds(done[name]) for name, *_ in configs]
