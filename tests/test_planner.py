@@ -1109,7 +1109,8 @@ def test_a_batch_at_width_1_probes_drafting_at_the_cheapest_width_that_sees_acce
 def test_deferred_counts_fold_in_order_and_forget_leaves_no_row():
     """``observe(defer=True)`` counts the step and its width now, its acceptance and cost at ``fold``
     (the engine's overlap with the next step): the same estimates as folding at once, a choice in
-    between reads the counts and costs as they were, and a forgotten request keeps no row."""
+    between reads the counts and costs as they were, and a forgotten request keeps no row; a step of
+    the target alone (``observe_plain(defer=True)``) waits the same way, each folded in its order."""
     now, later = Planner(W, PlannerConfig(mode="auto")), Planner(W, PlannerConfig(mode="auto"))
     rids = ["a", "b", "c"]
     for k in range(12):
@@ -1130,6 +1131,16 @@ def test_deferred_counts_fold_in_order_and_forget_leaves_no_row():
     later.observe([], [], W, 4, 0.01, defer=True)  # a step whose requests all finished: nothing to count
     later.fold()
     assert list(later.counts.prior_rates()) == list(prior) and later.steps == now.steps + 2
+    # a step of the target alone (the engine's): its cost and the fade wait for the fold too, in order
+    later.observe_plain(4, 0.004, fade=True, defer=True)
+    assert (4, 0) not in later.costs and list(later.counts.prior_rates()) == list(prior)
+    later.observe(rids, [4, 4, 4], W, 4, 0.02, defer=True)  # folds the plain step first
+    assert later.costs[(4, 0)] == 0.004 and list(later.counts.prior_rates()) != list(prior)
+    faded = later.counts.prior_rates().copy()
+    later.observe_plain(4, 0.006, fade=True, defer=True)  # folds the drafting step first
+    assert later.costs[(4, W)] != now.costs[(4, W)] and list(later.counts.prior_rates()) != list(faded)
+    later.fold()
+    assert later.costs[(4, 0)] == pytest.approx(0.005)  # (the mean of its first samples)
 
 
 @pytest.mark.parametrize("widths", [(), (1, 2, 3, 4, W)])

@@ -793,8 +793,8 @@ class LLMEngine:
         cost = None if out.prefilled is not None else seconds  # (a prompt's share is not the width's)
         if drafting and cost is not None and self.planner.trims:
             self.planner.observe_split(bucket, width, out.draft_s, out.verify_s)
-        if drafting or self.draft is None:  # finished requests are gone
-            live = [b for b, r in enumerate(reqs) if not r.finished]
+        if (drafting or self.draft is None) and self.planner.adapts:  # (else nothing to learn: no per-request work)
+            live = [b for b, r in enumerate(reqs) if not r.finished]  # finished requests are gone
             self.planner.observe(
                 [reqs[b].request_id for b in live],
                 [out.num_accepted[b] for b in live],
@@ -805,7 +805,7 @@ class LLMEngine:
                 confidence=None if out.confidence is None else out.confidence[live],
             )
         elif plain:
-            self.planner.observe_plain(bucket, cost, fade=True)
+            self.planner.observe_plain(bucket, cost, fade=True, defer=True)
 
     def _prefill_some(self, defer: bool = False) -> None:
         """Up to ``chunked_prefill_size`` prompt tokens, oldest admitted first; a request whose prompt

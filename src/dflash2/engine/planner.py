@@ -430,6 +430,7 @@ class Planner:
     calibration: ConfidenceCalibration = field(init=False)  # acceptance from the draft's confidence (trim)
     # a step observed, not folded yet: (requests, accepted, width, the draft's confidence, bucket, seconds)
     _pending: tuple[list[str], list[int], int, np.ndarray | None, int, float | None] | None = None
+    _pending_plain: tuple[int, float | None, bool] | None = None  # a step of the target alone, not folded yet
     _gone: list[str] = field(default_factory=list)  # finished requests whose rows :meth:`fold` frees
     _fit: tuple[float, float] | None = None  # eager: (fixed, per token) seconds, see _token_cost
     _fit_sig: tuple[int, float] = (-1, 0.0)  # the costs it was fitted on
@@ -744,11 +745,17 @@ class Planner:
         )
         del self.decisions[:-keep]
 
-    def observe_plain(self, bucket: int, seconds: float | None, fade: bool = False) -> None:
+    def observe_plain(self, bucket: int, seconds: float | None, fade: bool = False, defer: bool = False) -> None:
         """A step of requests that do not draft: the target alone's cost at ``bucket`` (width 0), and
         (``fade``, the engine's steps) every request's acceptance fading toward the prior
-        (:attr:`PlannerConfig.plain_fade`)."""
+        (:attr:`PlannerConfig.plain_fade`); ``defer``: both at the next :meth:`fold`, as :meth:`observe`'s.
+        Why: a drafting engine's step of the target alone had this work between steps where the target's
+        own engine has none (forty-ninth session)."""
         if not self.adapts:
+            return
+        if defer:
+            self._fold_pending()
+            self._pending_plain = (bucket, seconds, fade)
             return
         if seconds is not None:
             self._measure((bucket, 0), seconds)
@@ -955,6 +962,9 @@ class Planner:
         self._gone.clear()
 
     def _fold_pending(self) -> None:
+        if self._pending_plain is not None:  # (at most one of the two waits: each observe folds the other first)
+            plain, self._pending_plain = self._pending_plain, None
+            self.observe_plain(*plain)
         if self._pending is not None:
             rids, accepted, width, confidence, bucket, seconds = self._pending
             self._pending = None
