@@ -127,6 +127,35 @@ def test_static_runner_sampled_equals_paged(llama, block):
     assert [r.accept_hist for r in static] == [r.accept_hist for r in paged]
 
 
+@pytest.mark.parametrize("runner", ["paged", "static"])
+def test_the_next_steps_draws_as_one_block_are_the_same_draws(llama, runner, monkeypatch):
+    """A sampled step takes the block of rows drawn while the last step ran (steps.draw_ahead) where its batch
+    is the last one's, else each request's row: the same uniforms either way, so the same tokens and
+    acceptances as without the block, with the block taken in most steps (batches change as requests end)."""
+    from dflash2.engine import engine as engine_mod
+    from dflash2.engine.steps import BatchSampling
+
+    t, d = llama
+    prompts = _prompts(7, seed=5)
+    real_ahead, real_draw = engine_mod.draw_ahead, BatchSampling.draw.__func__
+    monkeypatch.setattr(engine_mod, "draw_ahead", lambda reqs, g, device=None: real_ahead(reqs, g))
+    _, apart = _run(t, d, prompts, runner, block=True, sampled=True)
+    monkeypatch.setattr(engine_mod, "draw_ahead", real_ahead)
+    taken = []
+
+    def draw(cls, reqs, g, device, stride=None, ahead=None):
+        taken.append(
+            ahead is not None and len(reqs) == len(ahead[1]) and all(r.drawn is x for r, x in zip(reqs, ahead[1]))
+        )
+        return real_draw(cls, reqs, g, device, stride, ahead)
+
+    monkeypatch.setattr(BatchSampling, "draw", classmethod(draw))
+    _, block = _run(t, d, prompts, runner, block=True, sampled=True)
+    assert [r.output_ids for r in block] == [r.output_ids for r in apart]
+    assert [r.accept_hist for r in block] == [r.accept_hist for r in apart]
+    assert sum(taken) > len(taken) / 2 and not all(taken), taken
+
+
 def test_graph_runner_loads_a_sampled_batch_where_its_graphs_read_it(llama):
     """The graph runner's sampling rows (one block a slot): a batch's parameters and draws, loaded in one
     copy where the block is laid out at the full width (the engine's, whatever the step's width) or in

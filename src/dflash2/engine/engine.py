@@ -259,6 +259,7 @@ class LLMEngine:
         # the bucket where the check made during this step says its drafting requests stop for good
         # (Planner.retire, acted on at the next step there)
         self._retire_ahead: int | None = None
+        self._draws_ahead: tuple | None = None  # the next step's sampling rows as one block (steps.draw_ahead)
         self.heartbeat = time.monotonic()  # the loop's last pass (for /health)
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -674,14 +675,15 @@ class LLMEngine:
         # drawn at the full width (G draws of each kind): a narrower step reads the first of each kind,
         # and the next step's rows are drawn while the device runs this one (draw_ahead)
         G = self.width - 1
-        sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device, G)
+        ahead, self._draws_ahead = self._draws_ahead, None
+        sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device, G, ahead=ahead)
         t_run = time.perf_counter()
 
         def overlap() -> None:
             # host work while the device runs the step: the next step's draws, the last step's counts,
             # the next step's width, a prefill
             if not greedy:
-                draw_ahead(reqs, G)
+                self._draws_ahead = draw_ahead(reqs, G, self.target.device)
             self.planner.fold()
             if drafting:  # (None where the planner does not adapt)
                 nxt = self.planner.choose_ahead(rids, bucket, width)

@@ -74,15 +74,26 @@ def sampling_row(sampling: SamplingParams, gen: Uniforms, g: int) -> np.ndarray:
     return np.concatenate([np.array(sampling_params(sampling), np.float32), draw_uniforms(gen, g)])
 
 
-def draw_ahead(reqs, g: int) -> None:
+def draw_ahead(reqs, g: int, device=None) -> tuple[list, list, torch.Tensor] | None:
     """Each live request's row for its next sampled step (:func:`sampling_row`), drawn while the device
     runs this one: the same numbers in the same order as drawn at that step (a request's stream is its
     own); a request that finishes leaves its row unread. Why: drawing a batch's rows was 0.18-0.41 ms of
     host work before each sampled step at 64-128 requests on an H100, the device idle; drawn ahead,
-    0.05-0.09 ms of it left the critical path, +1-3% tok/s (docs/benchmarks.md, forty-fifth session)."""
+    0.05-0.09 ms of it left the critical path, +1-3% tok/s (docs/benchmarks.md, forty-fifth session).
+    ``device``: also the rows of every live request, in order, as one block on it (``(requests, rows,
+    block)``, :meth:`BatchSampling.draw`'s ``ahead``), for a next step whose batch is the same. Why: stacking and
+    copying the rows was most of what was left, ~0.06 of 0.09 ms at 64 requests on the CPU, and on the
+    H100 the step's "draw" was 0.27-0.31 ms of a 2.4-2.6 ms one-token step at 64 (forty-ninth session)."""
     for r in reqs:
         if r.drawn is None and not r.finished:
             r.drawn = sampling_row(r.sampling, r.generator, g)
+    if device is None:
+        return None
+    live = [r for r in reqs if not r.finished]
+    rows = [r.drawn for r in live]
+    if not rows or len({len(x) for x in rows}) > 1:
+        return None
+    return live, rows, h2d(np.stack(rows), torch.float32, device)
 
 
 def h2d(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -264,10 +275,20 @@ class BatchSampling:
         return cls.from_rows(block, (host.shape[1] - 1) // 2)
 
     @classmethod
-    def draw(cls, reqs, g: int, device, stride: int | None = None) -> "BatchSampling":
+    def draw(cls, reqs, g: int, device, stride: int | None = None, ahead=None) -> "BatchSampling":
         """Each request's parameters and this step's uniforms from its own generator, drawn at ``stride``
-        draws of each kind (default ``g``; the engine's full width: :func:`draw_uniforms`), ``g`` read."""
+        draws of each kind (default ``g``; the engine's full width: :func:`draw_uniforms`), ``g`` read.
+        ``ahead``: :func:`draw_ahead`'s block, taken where it holds these requests' unread rows in this order."""
         G = g if stride is None else stride
+        if (
+            ahead is not None
+            and len(ahead[0]) == len(reqs)
+            and ahead[2].shape[1] == 5 + 2 * G
+            and all(a is r and r.drawn is row for a, row, r in zip(ahead[0], ahead[1], reqs))
+        ):
+            for r in reqs:  # (their rows are read: the next ones are drawn afresh)
+                r.drawn = None
+            return cls.from_rows(ahead[2], g, G)
         rows = []
         for r in reqs:  # each row drawn ahead (draw_ahead) and read once, or drawn now
             row, r.drawn = r.drawn, None
