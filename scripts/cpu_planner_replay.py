@@ -202,11 +202,11 @@ def main() -> None:
         p, q, m = recovery(reqs, run)
         print(f"  P(any draft accepted) {p:.3f}; after {run} empty step(s) {q:.3f} ({m} steps)")
     fixed = replay(reqs, args.width, (c1, cw), None, growth=args.cost_growth)["tokens_per_ms"]
-    alone = c1 * (1 + args.cost_growth / 2)  # (the target alone's mean step, as it grows)
-    print(f"  target alone {1 / alone:.3f} tokens/ms; fixed w{args.width} {fixed:.3f} ({fixed * alone:.3f}x)")
+    alone_ms = c1 * (1 + args.cost_growth / 2)  # (the target alone's mean step, as it grows)
+    print(f"  target alone {1 / alone_ms:.3f} tokens/ms; fixed w{args.width} {fixed:.3f} ({fixed * alone_ms:.3f}x)")
     for w in sorted(between):  # (from the full width's trace: its first w - 1 drafts)
         r = replay(reqs, args.width, (c1, cw), None, between=between, fixed=w, growth=args.cost_growth)["tokens_per_ms"]
-        print(f"  fixed w{w} {r:.3f} ({r * alone:.3f}x; {r / fixed:.3f} of fixed w{args.width})")
+        print(f"  fixed w{w} {r:.3f} ({r * alone_ms:.3f}x; {r / fixed:.3f} of fixed w{args.width})")
     for spec in args.configs.split(";"):
         over = {} if spec == "default" else {k: float(v) for k, v in (kv.split("=") for kv in spec.split(","))}
         over = {
