@@ -964,7 +964,9 @@ def packed_replay_ms(target, draft, concs: list[int], kinds: list[str], n: int) 
     if "prefill" in kinds:
         for T in runner.prefill_tokens:
             runner.pf_last.fill_(T - 1)
-            out[f"prefill packed T{T} (latents)"] = round(replay_ms(runner.prefill_graphs[(T, True)][0], n), 3)
+            for latents in (True, False):  # (without: a request admitted not drafting, or the target alone)
+                ms = replay_ms(runner.prefill_graphs[(T, latents)][0], n)
+                out[f"prefill packed T{T} ({'latents' if latents else 'no latents'})"] = round(ms, 3)
     if "mixed" in kinds:
         for b in (b for b in runner.buckets if b in concs):
             runner.start[:b] = 300
