@@ -53,6 +53,29 @@ def test_mapped_candidates_equal_candidates_of_full_logits(target):
     draft.config.final_logit_softcapping = None
 
 
+def test_bf16_candidates_are_the_fp32_logits_top_k(target):
+    """The top-k is taken on the head's bf16 output and only the survivors go to fp32 (and through the
+    softcap): the same values as the top-k of the full fp32 logits, each at its own token's logit, in
+    order; with a token map and without. (Ids may differ only among equal values at the k-th place.)"""
+    draft = random_draft(target).draft.to(torch.bfloat16)
+    head = target.lm_head_weight.to(torch.bfloat16)
+    hidden = torch.randn(3, 4, target.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    for ids in (None, torch.arange(1, VOCAB, 3)):
+        draft.set_token_map(ids, head)
+        for cap in (None, 0.5):
+            draft.config.final_logit_softcapping = cap
+            vals, cand = draft.candidates(hidden, head)
+            logits = draft.compute_logits(hidden, head)
+            assert vals.dtype == torch.float32
+            ref_vals, _ = draft.candidate_selector.candidates(logits)
+            assert torch.equal(vals, ref_vals)
+            assert torch.equal(logits.gather(-1, cand), vals)
+            if ids is not None:
+                assert set(cand.flatten().tolist()) <= set(ids.tolist())
+    draft.config.final_logit_softcapping = None
+    draft.set_token_map(None)
+
+
 def test_greedy_with_token_map_equals_target(target):
     """Lossless: tokens outside the map are never proposed, yet the output is the target's."""
     prop = random_draft(target, 1)

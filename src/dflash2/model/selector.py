@@ -40,10 +40,13 @@ class CandidateSelector(nn.Module):
         nn.init.normal_(self.predecessor_codebook, std=0.02)
         nn.init.zeros_(self.successor_codebook)
 
-    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k per slot, ordered by logit (ties: lower id first). topk, then a stable sort of
-        the k survivors by id and value, avoids sorting the whole vocabulary."""
-        vals, ids = logits.float().topk(self.top_k, dim=-1)
+    def candidates(self, logits: torch.Tensor, finish=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k per slot, ordered by logit (ties: lower id first), values in fp32. topk, then a
+        stable sort of the k survivors by id and value, avoids sorting the whole vocabulary.
+        ``finish``: a monotone map of the fp32 values (the draft's multiplier and softcap), applied
+        to the k survivors only."""
+        vals, ids = logits.topk(self.top_k, dim=-1)
+        vals = vals.float() if finish is None else finish(vals.float())
         ids, order = ids.sort(dim=-1)
         vals = vals.gather(-1, order)
         vals, order = vals.sort(dim=-1, descending=True, stable=True)
