@@ -51,6 +51,7 @@ def replay(
     noise: float = 0.0,
     seed: int = 0,
     growth: float = 0.0,
+    lag: bool = False,
 ) -> dict:
     """Tokens per ms over every request in turn: the fixed width (``overrides`` None) or the planner.
     ``stay``: a width-1 step leaves the traced step it stood for to the next step (the text moved on by
@@ -65,7 +66,9 @@ def replay(
     is given no costs but learns them from each step's time, the true cost times ``exp(noise * N(0, 1))``,
     starting from a start-up profile at 1/1.3 of the true costs (the replays leave out host work). ``growth``:
     every step costs ``1 + growth * f`` times its width's, ``f`` the share of its request's text already out
-    (contexts grow: the GPU's steps cost more toward a request's end)."""
+    (contexts grow: the GPU's steps cost more toward a request's end). ``lag``: as the engine runs it, each
+    step's acceptance and cost folded while the next step runs (``observe(defer=True)``, then ``fold``), the
+    next width chosen then (``choose_ahead``) and the retirement checked then, acted on a step later."""
     import math
     import random
     from dflash2.engine.planner import Planner, PlannerConfig
@@ -111,18 +114,30 @@ def replay(
         if admits and not planner.speculate_new(1, 1):
             alone(ns, len(ns))
             i, plain_reqs = len(ns), plain_reqs + 1
+        ahead: int | None = None  # (lag) the width chosen while the last step ran
+        retire_ahead = False  # (lag) the retirement found while the last step ran
         while i < len(ns):
-            if admits and planner.retire(1, None if retire_global else [rid]):
+            retire = retire_ahead if lag else admits and planner.retire(1, None if retire_global else [rid])
+            if retire:
                 alone(ns[i:], len(ns))
                 break
             n = ns[i]
-            w = (fixed or width) if planner is None else planner.choose([rid], 1)
+            if planner is None:
+                w = fixed or width
+            else:
+                w = ahead if ahead is not None else planner.choose([rid], 1)
+            if lag and planner is not None:  # the step's overlap: the last step's counts, the next width
+                planner.fold()
+                ahead = planner.choose_ahead([rid], 1, w)
+                retire_ahead = admits and planner.retire(1, None if retire_global else [rid])
             got, c = min(n, w - 1), grown(ms_of[w], i, len(ns))
             i += 1 if w > 1 or not stay else 0
             tokens, ms, ones, steps = tokens + got + 1, ms + c, ones + (w == 1), steps + 1
             by_width[w] += 1
             if planner is not None:
-                planner.observe([rid], [got], w, 1, timed(c))
+                planner.observe([rid], [got], w, 1, timed(c), defer=lag)
+        if planner is not None:
+            planner.fold()
         if planner is not None:
             planner.forget(rid)
     return {
@@ -191,6 +206,7 @@ def main() -> None:
     ap.add_argument(
         "--cost-growth", type=float, default=0.0, help="a step at a request's end costs 1 + this times more"
     )
+    ap.add_argument("--lag", action="store_true", help="as the engine: counts folded and the width chosen a step late")
     args = ap.parse_args()
     between = {int(w): float(c) for w, c in (x.split(":") for x in args.between.split(",") if x)}
     reqs = load(args.trace, args.temperature, args.suite) * args.repeat
@@ -218,7 +234,7 @@ def main() -> None:
             for fade in (True, False) if args.plain_ms else (True,):
                 runs = [
                     replay(reqs, args.width, (c1, cw), over, stay, args.plain_ms, fade, args.retire_global, between,
-                           noise=args.cost_noise, seed=k, growth=args.cost_growth)
+                           noise=args.cost_noise, seed=k, growth=args.cost_growth, lag=args.lag)
                     for k in range(args.seeds if args.cost_noise else 1)
                 ]  # fmt: skip
                 r = {

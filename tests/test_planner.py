@@ -433,6 +433,52 @@ def test_greedy_equals_target_while_widths_change(llama, runner, between, mixed)
         assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
 
 
+def test_drafts_after_any_widths_are_the_drafts_of_the_committed_text(llama):
+    """What the draft proposes at a step does not depend on the widths run before it: after random widths
+    (1 or W) in the graph runner, each drafting step's drafts are those a fresh draft context over the
+    committed text proposes at that anchor (the reference loop's proposer). Why: a width-1 step must
+    write its position's draft latents as a drafting step does; a gap there keeps output lossless (the
+    target verifies) but lowers acceptance after every change of width, which no other test sees."""
+    from dflash2.engine.proposers import DFlashProposer
+
+    t, d = llama
+    cfg = EngineConfig(
+        max_running_requests=3, num_draft_tokens=W, context_length=128, runner="static", speculative_planner="auto"
+    )
+    eng = LLMEngine(t, d, cfg)
+    eng.planner = RandomWidths(W)
+    seen: list[tuple[Request, int, list[int] | None]] = []  # (request, anchor position, its drafts; None: width 1)
+    real = eng.runner.step
+
+    def step(reqs, sampling, width=None, **kw):
+        at = [(r, r.num_committed, r.slot) for r in reqs]
+        out = real(reqs, sampling, width, **kw)
+        seen.extend((r, p, eng.runner.ids[s, 1:W].tolist() if (width or W) > 1 else None) for r, p, s in at)
+        return out
+
+    eng.runner.step = step
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB, (int(torch.randint(3, 15, (), generator=g)),), generator=g) for _ in range(4)]
+    reqs = [Request(p.tolist(), SamplingParams(max_new_tokens=30)) for p in prompts]
+    for r in reqs:
+        eng.add_request(r)
+    eng.run_until_done()
+    assert set(eng.stats.steps_by_width) == {1, W}
+    ref = DFlashProposer(d, t.embed, t.lm_head_weight)
+    drafting = after_one = 0  # drafting steps; those whose request ran width 1 just before
+    last: dict[str, bool] = {}  # each request's last step: width 1?
+    for r, p, drafts in seen:
+        if drafts is not None:
+            text = r.prompt_ids + r.output_ids
+            _, feats = t.forward(t.new_state(), torch.tensor(text[:p]))
+            ref.begin(feats)
+            want, _ = ref.propose(text[p], p, W - 1, r.sampling, torch.zeros(W - 1))
+            assert drafts == want.tolist(), (r.request_id, p, last.get(r.request_id))
+            drafting, after_one = drafting + 1, after_one + last.get(r.request_id, False)
+        last[r.request_id] = drafts is None
+    assert drafting > 20 and after_one > 5, (drafting, after_one)
+
+
 def test_sampled_truncated_requests_run_at_every_width(llama):
     """Top-p / top-k requests through the paged runner at every width 1-W (width 2: a selector walk
     with one draft, whose later-slot scores are empty): every request finishes, none fails."""
