@@ -138,7 +138,6 @@ def replay(
                 planner.observe([rid], [got], w, 1, timed(c), defer=lag)
         if planner is not None:
             planner.fold()
-        if planner is not None:
             planner.forget(rid)
     return {
         "tokens_per_ms": tokens / ms,

@@ -221,8 +221,8 @@ class DFlash2DraftModel(nn.Module):
 
     def _candidates(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, confidence: bool):
         # the top-k of the head's own output (bf16 on the GPU), its k survivors then to fp32 and through
-        # the multiplier and softcap: the same candidates (fp32 holds every bf16 value, both maps are
-        # monotone) without an fp32 copy of every row. Why: at 64 rows on the H100 that copy was 0.056 ms
+        # the multiplier and softcap: the same candidates (fp32 holds every bf16 value; both maps rise,
+        # the config holds them positive) without an fp32 copy of every row. Why: at 64 rows on the H100 that copy was 0.056 ms
         # of a 1.09 ms draft, beside a 0.21 ms top-k (docs/benchmarks.md, forty-fifth session)
         tm = self._mapped(lm_head_weight)
         if tm is None:
