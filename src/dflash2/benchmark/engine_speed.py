@@ -113,11 +113,11 @@ def measure(
 ) -> ConcurrencyRow:
     """One config at one concurrency (request ``i`` sampled with seed ``seed + i``). ``engines``: engines
     kept across calls, one per config and concurrency, so the warm-up pass and the timed rounds run on the
-    same engine, as a warmed-up server would (on CUDA an engine captures its graphs when it is built). ``shared`` (instead of
-    ``engines``): one engine per runner for every concurrency up to ``shared.slots`` (built with that
-    many running requests, each call capped at its ``concurrency``), either temperature (both kinds of
-    step graph) and every planner row (built with ``shared.build_planner``'s graphs, the row's planner
-    swapped in)."""
+    same engine, as a warmed-up server would (on CUDA an engine captures its graphs when it is built).
+    ``shared`` (instead of ``engines``): one engine per runner for every concurrency up to ``shared.slots``
+    (built with that many running requests, each call capped at its ``concurrency``), either temperature
+    (both kinds of step graph) and every planner row (built with ``shared.build_planner``'s graphs, the
+    row's planner swapped in)."""
     row_planner = planner
     if shared is not None:
         engines, key = shared.engines, (width if draft is not None else 1, block, attention_backend)

@@ -185,18 +185,20 @@ class DFlash2DraftModel(nn.Module):
         tm = self._token_map
         return tm if tm is not None and tm[2] is lm_head_weight else None
 
-    def _sub_logits(self, hidden: torch.Tensor, sub_weight: torch.Tensor, packed) -> torch.Tensor:
-        h = hidden.to(sub_weight.dtype)
-        return self._finish_logits((packed(h) if packed is not None else lm_head_matmul(h, sub_weight)).float())
+    @staticmethod
+    def _head(hidden: torch.Tensor, weight: torch.Tensor, packed=None) -> torch.Tensor:
+        """The head's rows ``weight`` over ``hidden``, in the head's dtype (``packed``: its CPU-packed form)."""
+        h = hidden.to(weight.dtype)
+        return packed(h) if packed is not None else lm_head_matmul(h, weight)
 
     def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary fp32 logits; with a token map, -inf outside it (multiplier and softcap are
         applied to the mapped rows first, so unmapped tokens stay -inf rather than -cap)."""
         tm = self._mapped(lm_head_weight)
         if tm is None:
-            return self._finish_logits(lm_head_matmul(hidden.to(lm_head_weight.dtype), lm_head_weight).float())
+            return self._finish_logits(self._head(hidden, lm_head_weight).float())
         ids, sub_weight, _, packed = tm
-        sub = self._sub_logits(hidden, sub_weight, packed)
+        sub = self._finish_logits(self._head(hidden, sub_weight, packed).float())
         logits = sub.new_full((*sub.shape[:-1], lm_head_weight.shape[0]), float("-inf"))
         logits[..., ids] = sub
         return logits
@@ -221,16 +223,13 @@ class DFlash2DraftModel(nn.Module):
 
     def _candidates(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, confidence: bool):
         # the top-k of the head's own output (bf16 on the GPU), its k survivors then to fp32 and through
-        # the multiplier and softcap: the same candidates (fp32 holds every bf16 value; both maps rise,
-        # the config holds them positive) without an fp32 copy of every row. Why: at 64 rows on the H100 that copy was 0.056 ms
-        # of a 1.09 ms draft, beside a 0.21 ms top-k (docs/benchmarks.md, forty-fifth session)
+        # the multiplier and softcap: the same candidates (fp32 holds every bf16 value; both maps rise, the
+        # config holds them positive) without an fp32 copy of every row. Why: at 64 rows on the H100 that
+        # copy was 0.056 ms of a 1.09 ms draft, beside a 0.21 ms top-k (docs/benchmarks.md, forty-fifth
+        # session)
         tm = self._mapped(lm_head_weight)
-        if tm is None:
-            raw, ids = lm_head_matmul(hidden.to(lm_head_weight.dtype), lm_head_weight), None
-        else:
-            ids, sub_weight, _, packed = tm
-            h = hidden.to(sub_weight.dtype)
-            raw = packed(h) if packed is not None else lm_head_matmul(h, sub_weight)
+        ids = None if tm is None else tm[0]
+        raw = self._head(hidden, lm_head_weight) if tm is None else self._head(hidden, tm[1], tm[3])
         vals, idx = self.candidate_selector.candidates(raw, self._finish_logits)
         conf = (vals[..., 0] - self._finish_logits(raw.float()).logsumexp(-1)).exp() if confidence else None
         return vals, idx if ids is None else ids[idx], conf
