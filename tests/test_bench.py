@@ -185,8 +185,32 @@ def test_engine_speed_shares_engines_across_levels_and_temperatures(monkeypatch)
         buckets = {int(k.split("x")[0]) for k in r.step_ms_by_shape}
         assert r.requests == (2 if r.concurrency == 1 else 3)
         assert buckets == {1} if r.concurrency == 1 else max(buckets) == 2
+        # every shape's graphs timed apart from its wall (on the CPU the forwards' host time): within it
+        assert r.device_ms_by_shape.keys() == r.step_ms_by_shape.keys()
+        for k, (n, ms) in r.device_ms_by_shape.items():
+            assert n == r.step_ms_by_shape[k][0] and 0 < ms <= r.step_ms_by_shape[k][1]
     with pytest.raises(ValueError, match="slots 1 below"):
         es.run(*args, 0.0, slots=1)
+
+
+def test_engine_speed_times_the_static_runners_graphs(monkeypatch):
+    """The static runner's steps (the CUDA-graph runner, eager on the CPU) are timed apart from their wall
+    by shape, the target's and the drafter's engines alike: the wall over the graphs is host or waiting."""
+    import torch
+    from targets import build
+    from test_speculative import random_draft
+    from dflash2.benchmark import engine_speed as es
+    from dflash2.target import TargetModel
+
+    t = TargetModel(build("llama"), layer_ids=[0, 2])
+    draft = random_draft(t).draft
+    monkeypatch.setattr(es, "render", lambda tok, p: torch.randint(3, 96, (6,)).tolist())
+    rows = es.run(t, draft, ["a", "b", "c"], [3], ["block"], [2], 5, 1.0, warmup=False, engine_kw={"runner": "static"})
+    assert [r.config for r in rows] == ["target", "dflash2 w=3 block"]
+    for r in rows:
+        assert r.device_ms_by_shape and r.device_ms_by_shape.keys() == r.step_ms_by_shape.keys()
+        for k, (n, ms) in r.device_ms_by_shape.items():
+            assert n == r.step_ms_by_shape[k][0] and 0 < ms <= r.step_ms_by_shape[k][1]
 
 
 def test_widths_between_serve_the_wider_engines_only(monkeypatch):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..engine.engine import EngineConfig, EngineStats, LLMEngine
 from ..engine.gc_utils import GCPauses, freeze_gc
+from ..engine.steps import GraphTimer
 from ..training.data import render
 from ..verification import SamplingParams
 
@@ -52,6 +53,8 @@ class ConcurrencyRow:
     planner_state: dict = field(default_factory=dict)
     # mean live step ms and step count by "bucket x width" (width 0: the target alone beside a drafter)
     step_ms_by_shape: dict = field(default_factory=dict)
+    # the same shapes' graphs timed on the device (GraphTimer): where the wall over them is host or wait
+    device_ms_by_shape: dict = field(default_factory=dict)
     # the graph runner's packed prefills: "T" (tokens) or "mixT" (in a step) -> [replays, real tokens]
     prefill_shapes: dict = field(default_factory=dict)
     # of a step: host time outside the runner's step (the planner's choice before it, observation and
@@ -162,6 +165,8 @@ def measure(
         raise ValueError(f"concurrency {concurrency} above the engine's {eng.cfg.max_running_requests} slots")
     eng.scheduler.max_running = concurrency
     eng.stats = EngineStats(accepted_by_position=[0] * max(eng.width - 1, 0))
+    if hasattr(eng.runner, "timer") and eng.runner.timer is None:  # every row's graphs timed alike
+        eng.runner.timer = GraphTimer(eng.target.device)
     n = len(prompt_ids) if requests_per_slot is None else min(len(prompt_ids), requests_per_slot * concurrency)
     n = max(concurrency, n)
     top_p = 0.95 if temperature else 1.0
@@ -214,6 +219,7 @@ def measure(
         prefill_seconds=s.prefill_s,
         planner_state=eng.planner.state() if eng.planner.adapts else {},
         step_ms_by_shape={k: [n, round(1e3 * t / n, 3)] for k, (n, t) in sorted(s.step_s_by_shape.items())},
+        device_ms_by_shape={k: [n, round(1e3 * t / n, 3)] for k, (n, t) in sorted(s.device_s_by_shape.items())},
         host_ms_per_step=1e3 * s.host_s / steps,
         plan_ms_per_step=1e3 * s.plan_s / steps,
         draw_ms_per_step=1e3 * s.draw_s / steps,
@@ -256,6 +262,7 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
         prefill_seconds=sum(r.prefill_seconds for r in rows),
         planner_state=rows[-1].planner_state,
         step_ms_by_shape=rows[-1].step_ms_by_shape,
+        device_ms_by_shape=rows[-1].device_ms_by_shape,
         host_ms_per_step=avg("host_ms_per_step"),
         plan_ms_per_step=avg("plan_ms_per_step"),
         draw_ms_per_step=avg("draw_ms_per_step"),

@@ -214,6 +214,8 @@ class EngineStats:
     # "bucket x width" -> [steps, seconds] (width 0: the target alone, no drafter upkeep); what the
     # planner's step costs are checked against
     step_s_by_shape: dict[str, list] = field(default_factory=dict)
+    # the same shapes' graph time on the device (the runner's timer, where a benchmark set one): [steps, s]
+    device_s_by_shape: dict[str, list] = field(default_factory=dict)
     drafts_proposed: int = 0  # draft tokens put to the verifier (width - 1 per request per step)
     prompt_tokens: int = 0  # prompts whose prefill finished, in tokens
     ttft: LatencyHistogram = field(default_factory=LatencyHistogram)  # arrival -> first token
@@ -790,8 +792,12 @@ class LLMEngine:
         s = self.stats
         s.step_s += seconds
         s.overlap_s += out.overlap_s
-        shape = s.step_s_by_shape.setdefault(f"{bucket}x{0 if plain else width}", [0, 0.0])
+        key = f"{bucket}x{0 if plain else width}"
+        shape = s.step_s_by_shape.setdefault(key, [0, 0.0])
         shape[0], shape[1] = shape[0] + 1, shape[1] + seconds
+        if out.device_s is not None:
+            dev = s.device_s_by_shape.setdefault(key, [0, 0.0])
+            dev[0], dev[1] = dev[0] + 1, dev[1] + out.device_s
         cost = None if out.prefilled is not None else seconds  # (a prompt's share is not the width's)
         if drafting and cost is not None and self.planner.trims:
             self.planner.observe_split(bucket, width, out.draft_s, out.verify_s)

@@ -229,6 +229,7 @@ class GraphModelRunner:
         self.block = block_verification
         self.synthetic = steps.synthetic_rates(synthetic_acceptance, width, target.device)  # benchmarks only
         self.clock = steps.OverlapClock(target.device)
+        self.timer: steps.GraphTimer | None = None  # benchmarks: each step's graphs timed (StepOutput.device_s)
         # sampled verify's truncation in the graph: "sort" (every row sorted), "triton" (sort-free
         # kernel) or "triton-fused" (the whole processing in one kernel); auto: triton-fused on CUDA (on
         # the H200 its rows cost 0.36 ms against 0.82 for the unfused kernel's seven passes at 320 rows, and
@@ -843,6 +844,8 @@ class GraphModelRunner:
         idx, B, kv_len = self._load(reqs, sampling)
         greedy = sampling is None
         conf = None
+        if self.timer is not None:
+            self.timer.start()
         if w > 1:
             self._graph("draft", B, greedy, kv_len)[0]()
             if trim is not None and self.conf is not None and w == self.w and not mix:
@@ -851,6 +854,8 @@ class GraphModelRunner:
         t1 = time.perf_counter()
         replay, out = self._graph(kind, B, greedy, self._verify_kv(kv_len), w, mix)
         replay()
+        if self.timer is not None:
+            self.timer.stop()
         first = None
         if mix and prefill:
             first = self._prefilled(prefill[0], prefill[1], out["pf_logits"][0, 0])
@@ -858,6 +863,8 @@ class GraphModelRunner:
         self.clock.run(overlap)  # host work while the GPU runs (replays are asynchronous on CUDA)
         res = steps.finish_step(out["rows"][idx], t0, t1, self.clock)
         res.prefilled = first
+        if self.timer is not None:
+            res.device_s = self.timer.seconds()
         if conf is not None:
             res.width, res.confidence = w, conf
         if steps.wants_logprobs(reqs):

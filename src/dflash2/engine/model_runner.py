@@ -101,6 +101,7 @@ class ModelRunner:
         self.k_pool: list[torch.Tensor] = []
         self.v_pool: list[torch.Tensor] = []
         self.clock = steps.OverlapClock(target.device)
+        self.timer: steps.GraphTimer | None = None  # benchmarks: each step's forwards timed (device_s)
 
     # ---- pool ---------------------------------------------------------------------------------
     def _ensure_pool(self, cache: DynamicCache) -> None:
@@ -179,6 +180,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         anchors = torch.tensor([r.last_id for r in reqs], device=self.target.device)
         w, conf = width or self.w, None
+        if self.timer is not None:
+            self.timer.start()
         if w > 1:
             drafts, q_draft, conf = self.propose(reqs, anchors, sampling, w, confidence=trim is not None)
             if conf is not None and trim is not None and (w := trim(conf)) < drafts.shape[1] + 1:
@@ -199,8 +202,12 @@ class ModelRunner:
                 mask[b, steps.stop_ids(r.sampling, self.eos)] = True
             logits = steps.suppress_stops(logits, mask, torch.tensor(left, device=logits.device))
         res = steps.accept(logits, drafts, q_draft, sampling, self.block, synthetic=self.synthetic)
+        if self.timer is not None:
+            self.timer.stop()
         self.clock.run(overlap)  # (eager: nothing runs meanwhile; called where the graph runner calls it)
         out = steps.finish_step(steps.result_rows(res), t0, t1, self.clock)
+        if self.timer is not None:
+            out.device_s = self.timer.seconds()
         out.logits = logits if steps.wants_logprobs(reqs) else None
         if conf is not None:
             out.width, out.confidence = w, conf

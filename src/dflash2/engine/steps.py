@@ -322,6 +322,8 @@ class StepOutput:
     # ``[B, g]`` of every slot drafted (what the planner's calibration learns from)
     width: int | None = None
     confidence: np.ndarray | None = None
+    # the step's own graphs' device time, first replay to last (benchmarks: :class:`GraphTimer`)
+    device_s: float | None = None
 
     def __post_init__(self):
         self.num_accepted = [len(t) - 1 for t in self.tokens]
@@ -415,6 +417,34 @@ class OverlapClock:
         if self._host is not None or self._events is None:
             return self._host or 0.0
         return self._events[0].elapsed_time(self._events[1]) / 1e3
+
+
+class GraphTimer:
+    """A step's graphs timed on the device (CUDA events around the replays, read after the step's
+    read-back), else on the host (the CPU runs them in order). Why: the live step's wall at 128
+    requests ran 1-9% over the same graph replayed alone, beside the target alone's engine, and the
+    wall cannot say whether the device or the host made the difference (fifty-first session)."""
+
+    def __init__(self, device: torch.device):
+        cuda = torch.device(device).type == "cuda"
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        self._t = 0.0
+
+    def start(self) -> None:
+        if self._events is None:
+            self._t = time.perf_counter()
+        else:
+            self._events[0].record()
+
+    def stop(self) -> None:
+        if self._events is None:
+            self._t = time.perf_counter() - self._t
+        else:
+            self._events[1].record()
+
+    def seconds(self) -> float:
+        """After the step's read-back (the events have run)."""
+        return self._t if self._events is None else self._events[0].elapsed_time(self._events[1]) / 1e3
 
 
 def finish_step(rows: torch.Tensor, t0: float, t1: float, clock: OverlapClock | None = None) -> StepOutput:
