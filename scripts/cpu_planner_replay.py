@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+INT_FIELDS = ("probe_every", "retire_every", "stale_after", "plain_probes")
 
 
 def load(path: str, temperature: float | None, suite: str | None) -> list[list[int]]:
@@ -147,6 +148,83 @@ def replay(
     }
 
 
+def replay_batch(
+    reqs: list[list[int]],
+    width: int,
+    costs: tuple[float, float],
+    plain_ms: float,
+    overrides: dict | None,
+    batch: int,
+    join_priced: bool = False,
+) -> dict:
+    """Tokens per ms of ``batch`` requests at a time, as the engine serves a steady queue: a finished request's
+    place is taken by the next at once, one width a step for the batch (every request's step at that width's
+    cost, ``costs`` at ``batch``: ms of a drafting batch's width-1 step and of its full-width one; ``plain_ms``:
+    the target alone's). The planner's rules as the engine applies them: a request admitted into a batch that
+    does not draft does not draft; a batch that mixes cannot draft (the drafting ones retire); retirement on the
+    batch's own acceptance, for good. ``overrides`` None: the fixed width. A request that does not draft runs
+    its text's remaining tokens one a step; a drafting step takes its traced step's accepted drafts.
+    ``join_priced``: every admission into a drafting batch priced with the hysteresis (the rule before the
+    fifty-first session) instead of joining it."""
+    from dflash2.engine.planner import Planner, PlannerConfig
+
+    planner = None
+    if overrides is not None:
+        given = {(batch, 1): costs[0] / 1e3, (batch, width): costs[1] / 1e3, (batch, 0): plain_ms / 1e3}
+        planner = Planner(width, PlannerConfig(mode="auto", **overrides), costs=given, profile=given)
+        planner.widths = (1, width)
+    queue = list(enumerate(reqs))[::-1]
+    running: list[dict] = []
+    drafted = False  # the last step drafted (every request)
+    tokens, ms, by_width, plain_steps, retired, not_drafting = 0, 0.0, collections.Counter(), 0, 0, 0
+    while queue or running:
+        while queue and len(running) < batch:  # admissions
+            k, ns = queue.pop()
+            plain = planner is not None and not all(r["drafts"] for r in running)
+            # (the engine's LLMEngine._joins: a drafting batch at this load takes new requests unpriced)
+            joins = drafted and bool(running) and not plain and not join_priced
+            drafts = planner is None or (not plain and (joins or planner.speculate_new(batch, batch)))
+            not_drafting += not drafts
+            running.append({"rid": f"r{k}", "ns": ns, "i": 0, "left": sum(n + 1 for n in ns), "drafts": drafts})
+        rids = [r["rid"] for r in running]
+        drafters = sum(r["drafts"] for r in running)
+        if planner is not None and drafters and (drafters < len(running) or planner.retire(batch, rids)):
+            for r in running:
+                if r["drafts"]:
+                    r["drafts"], retired = False, retired + 1
+                    r["left"] = sum(n + 1 for n in r["ns"][r["i"] :])
+            drafters = 0
+        drafted = bool(drafters)
+        if drafters:
+            w = width if planner is None else planner.choose(rids, batch)
+            got = []
+            for r in running:
+                n = r["ns"][r["i"]]
+                got.append(min(n, w - 1))
+                r["i"] += 1
+                tokens += got[-1] + 1
+            ms += costs[0] if w == 1 else costs[1]
+            by_width[w] += 1
+            if planner is not None:
+                planner.observe(rids, got, w, batch, None)
+        else:
+            for r in running:
+                r["left"] -= 1
+            tokens, ms, plain_steps = tokens + len(running), ms + plain_ms, plain_steps + 1
+            planner.observe_plain(batch, None, fade=True)
+        for r in [r for r in running if (r["i"] >= len(r["ns"]) if r["drafts"] else r["left"] <= 0)]:
+            running.remove(r)
+            if planner is not None:
+                planner.forget(r["rid"])
+    return {
+        "tokens_per_ms": tokens / ms,
+        "plain_steps": plain_steps,
+        "retired": retired,
+        "not_drafting": not_drafting,
+        "by_width": dict(sorted(by_width.items())),
+    }
+
+
 def recovery(reqs: list[list[int]], run: int) -> tuple[float, float, int]:
     """P(a step accepts any draft), unconditionally and after ``run`` empty steps in a row (and how
     many such steps there were)."""
@@ -206,6 +284,9 @@ def main() -> None:
         "--cost-growth", type=float, default=0.0, help="a step at a request's end costs 1 + this times more"
     )
     ap.add_argument("--lag", action="store_true", help="as the engine: counts folded and the width chosen a step late")
+    ap.add_argument(
+        "--batch", type=int, default=0, help="this many requests at a time, a steady queue (needs --plain-ms)"
+    )
     args = ap.parse_args()
     between = {int(w): float(c) for w, c in (x.split(":") for x in args.between.split(",") if x)}
     reqs = load(args.trace, args.temperature, args.suite) * args.repeat
@@ -216,6 +297,24 @@ def main() -> None:
     for run in (1, 2, 3):
         p, q, m = recovery(reqs, run)
         print(f"  P(any draft accepted) {p:.3f}; after {run} empty step(s) {q:.3f} ({m} steps)")
+    if args.batch:
+        if args.plain_ms is None:
+            raise SystemExit("--batch needs --plain-ms (the target alone's step at that batch)")
+        fixed = replay_batch(reqs, args.width, (c1, cw), args.plain_ms, None, args.batch)["tokens_per_ms"]
+        alone = args.batch / args.plain_ms
+        print(f"  batch {args.batch}: target alone {alone:.3f} tokens/ms; fixed w{args.width} {fixed / alone:.3f}x")
+        for spec in args.configs.split(";"):
+            over = {} if spec == "default" else {k: float(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+            over = {k: int(v) if k in INT_FIELDS else v for k, v in over.items()}
+            for priced in (False, True):
+                r = replay_batch(reqs, args.width, (c1, cw), args.plain_ms, over, args.batch, join_priced=priced)
+                print(
+                    f"  auto {spec:<28}{' priced' if priced else ' joins '} {r['tokens_per_ms'] / alone:.3f}x "
+                    f"({r['tokens_per_ms'] / fixed:.3f} of fixed); {r['plain_steps']} steps of the target alone, "
+                    f"{r['retired']} retired, {r['not_drafting']} admitted not drafting; drafting steps by width "
+                    f"{r['by_width']}"
+                )
+        return
     fixed = replay(reqs, args.width, (c1, cw), None, growth=args.cost_growth)["tokens_per_ms"]
     alone_ms = c1 * (1 + args.cost_growth / 2)  # (the target alone's mean step, as it grows)
     print(f"  target alone {1 / alone_ms:.3f} tokens/ms; fixed w{args.width} {fixed:.3f} ({fixed * alone_ms:.3f}x)")
@@ -224,10 +323,7 @@ def main() -> None:
         print(f"  fixed w{w} {r:.3f} ({r * alone_ms:.3f}x; {r / fixed:.3f} of fixed w{args.width})")
     for spec in args.configs.split(";"):
         over = {} if spec == "default" else {k: float(v) for k, v in (kv.split("=") for kv in spec.split(","))}
-        over = {
-            k: int(v) if k in ("probe_every", "retire_every", "stale_after", "plain_probes") else v
-            for k, v in over.items()
-        }
+        over = {k: int(v) if k in INT_FIELDS else v for k, v in over.items()}
         print(f"  auto {spec:<32} log-loss of the per-request estimate {log_loss(reqs, args.width, over):.4f}")
         for stay in (False, True):
             for fade in (True, False) if args.plain_ms else (True,):

@@ -655,8 +655,8 @@ def test_admission_and_retirement_read_the_slow_cost_not_the_last_steps(slow):
 
 def test_retire_only_after_costs_are_measured_and_drafting_cannot_pay():
     """Drafting requests stop for good only in auto, after probe_every steps, where the best drafting
-    width falls short of the target alone; never while it pays."""
-    p = Planner(W, PlannerConfig(mode="auto", probe_every=4, retire_every=2))
+    width falls short of the target alone; never while it pays (each check on its own: no average)."""
+    p = Planner(W, PlannerConfig(mode="auto", probe_every=4, retire_every=2, retire_smoothing=0))
     p.costs[(4, W)], p.costs[(4, 1)] = 0.050, 0.010  # prior 0.9: 4.1 tokens in 50 ms against 1 in 10
     assert not p.retire(4)  # no steps yet
     for _ in range(4):
@@ -698,6 +698,29 @@ def test_retire_only_after_costs_are_measured_and_drafting_cannot_pay():
     for w in (W, 1):
         graphs.observe(["a"], [0], w, 4, 0.010 * w)
     assert not graphs.retire(4)
+
+
+def test_retirement_reads_the_batch_gain_averaged_over_its_checks():
+    """A batch stops drafting for good on its gain averaged over its retirement checks (``retire_smoothing``
+    0.9): one low reading among good ones does not stop it, a run of them does; a batch of new requests
+    starts the average afresh; one request's batch is not averaged (its stop ends with it)."""
+    p = Planner(W, PlannerConfig(mode="auto", probe_every=2, retire_every=2))
+    p.costs[(4, 1)], p.costs[(1, 1)] = 0.010, 0.010  # the one-token step; prior 0.9: 4.0951 tokens a full step
+
+    def check(bucket: int, gain: float, rids: list[str]) -> bool:
+        p.costs[(bucket, W)] = 0.040951 / gain  # the full width's cost that prices drafting at ``gain``
+        assert p.drafting_gain(bucket, rids=rids) == pytest.approx(gain, rel=1e-4)
+        p.steps += 2
+        return p.retire(bucket, rids)
+
+    batch = ["a", "b", "c", "d"]
+    assert not any(check(4, 1.07, batch) for _ in range(5))
+    assert not check(4, 0.97, batch)  # one low reading: 1.06 on average
+    assert [check(4, 0.9, batch) for _ in range(5)] == [False] * 4 + [True]  # 1.044, 1.030, 1.017, 1.005, 0.995
+    assert p.state()["decisions"][-1]["gain"] == pytest.approx(0.9945, abs=1e-3)  # the average, as priced
+    assert not check(4, 1.07, batch) and check(4, 0.97, ["e", "f", "g", "h"])  # new requests: their own reading
+    assert not check(4, 1.07, batch) and not check(4, 0.97, ["d", "e", "f", "g"])  # (one of them is the same)
+    assert not check(1, 1.07, ["x"]) and check(1, 0.99, ["x"])  # one request: each reading on its own
 
 
 def _h200_at_128(x1_live: float) -> Planner:
@@ -914,35 +937,50 @@ def test_an_admission_round_prices_each_bucket_once(llama, monkeypatch):
     assert eng.stats.requests_not_drafting == 6
 
 
-def test_the_next_admission_is_priced_while_a_step_runs(llama, monkeypatch):
-    """With requests waiting behind a drafting batch, a step prices the next admission round in its
-    overlap (auto: the answer depends on the bucket alone); the round then asks the planner nothing and
-    admits with that answer."""
+def test_admissions_join_a_drafting_batch_at_its_load_and_are_priced_above_it(llama, monkeypatch):
+    """Auto: requests admitted into a batch where every request drafts, at the load where drafting ran (its
+    bucket or below), draft without asking the planner (retirement decides whether drafting still pays
+    there); admissions that make a larger batch are priced, while a step runs where requests wait (the
+    answer depends on the bucket alone), and the round then admits with that answer, asking nothing."""
     t, d = llama
     eng = LLMEngine(
         t,
         d,
         EngineConfig(
-            max_running_requests=2, num_draft_tokens=W, context_length=128, runner="static", speculative_planner="auto"
+            max_running_requests=4, num_draft_tokens=W, context_length=128, runner="static", speculative_planner="auto"
         ),
     )
-    prompts = [torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
-    reqs = [eng.add_request(Request(p, SamplingParams(max_new_tokens=40, ignore_eos=True))) for p in prompts]
-    while eng.stats.steps == 0:
-        eng.step()
-    assert all(r.speculate for r in reqs[:2]) and len(eng.scheduler.waiting) == 2
-    assert eng._admit_ahead == (eng.runner.bucket(2), True)  # priced during the step: the cold start drafts
     calls = {"n": 0}
+    real = eng.planner.speculate_new
 
     def counted(n, bucket):
         calls["n"] += 1
-        return True
+        return real(n, bucket)
 
     monkeypatch.setattr(eng.planner, "speculate_new", counted)
-    eng._admit_ahead = (eng.runner.bucket(2), False)  # (an answer the step could have given)
+    prompts = [torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(7)]
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    reqs = [eng.add_request(Request(p, sp)) for p in prompts[:2]]
+    while eng.stats.steps == 0:
+        eng.step()
+    assert all(r.speculate for r in reqs) and calls["n"] == 1  # the cold start: priced, drafts
+    reqs += [eng.add_request(Request(p, sp)) for p in prompts[2:6]]
+    eng.step()  # two admitted into a batch of 4 (priced), two wait: their round priced while the step runs
+    assert calls["n"] == 3 and eng._admit_ahead == (eng.runner.bucket(4), True)
+    assert all(r.speculate for r in reqs[:4]) and reqs[4] in eng.scheduler.waiting
+    while eng._drafted_at < eng.runner.bucket(4):  # until all four draft in one step
+        eng.step()
+    n = calls["n"]
+    eng.step()
+    assert calls["n"] == n and eng._admit_ahead is None  # the batch drafts at this load: nothing to price
     eng.abort(reqs[0].request_id)
     eng._admit()
-    assert calls["n"] == 0 and reqs[2] in eng.scheduler.running and not reqs[2].speculate
+    assert calls["n"] == n and reqs[4] in eng.scheduler.running and reqs[4].speculate  # joined, unpriced
+    eng._drafted_at = 0  # (as after a step that did not draft): the next round is priced, here ahead
+    eng._admit_ahead = (eng.runner.bucket(4), False)  # (an answer a step could have given)
+    eng.abort(reqs[1].request_id)
+    eng._admit()
+    assert calls["n"] == n and reqs[5] in eng.scheduler.running and not reqs[5].speculate
     assert eng._admit_ahead is None  # read once
 
 

@@ -258,6 +258,7 @@ class LLMEngine:
         # (bucket, whether a request admitted there drafts): the next admission round's answer, priced
         # during this step (auto: the answer depends on the bucket alone)
         self._admit_ahead: tuple[int, bool] | None = None
+        self._drafted_at = 0  # the bucket of the last step where every request drafted (0: none since a plain one)
         # the bucket where the check made during this step says its drafting requests stop for good
         # (Planner.retire, acted on at the next step there)
         self._retire_ahead: int | None = None
@@ -554,6 +555,7 @@ class LLMEngine:
     def use_planner(self, planner: Planner) -> None:
         """Swap in another planner (:meth:`planner_for`, or one set aside): between generations only."""
         self.planner, self._ahead, self._admit_ahead, self._retire_ahead = planner, None, None, None
+        self._drafted_at = 0
 
     def planner_for(self, mode: str, widths: str | None = None) -> Planner:
         """A fresh planner of ``mode`` choosing among ``widths`` between 1 and the full one, as an
@@ -623,7 +625,10 @@ class LLMEngine:
             n = max(n_running, self._admission_size())
             if n not in answers:  # (with a queue, n is the same for every admission of the round)
                 b = self.runner.bucket(n)
-                answers[n] = ahead[1] if ahead is not None and ahead[0] == b else planner.speculate_new(n, b)
+                if self._joins(b):
+                    answers[n] = True
+                else:
+                    answers[n] = ahead[1] if ahead is not None and ahead[0] == b else planner.speculate_new(n, b)
             plain = planner.adapts and not answers[n]
             return answers[n]
 
@@ -639,7 +644,21 @@ class LLMEngine:
             return None
         n = self._admission_size()
         b = self.runner.bucket(n)
-        return b, self.planner.speculate_new(n, b)
+        return None if self._joins(b) else (b, self.planner.speculate_new(n, b))
+
+    def _joins(self, bucket: int) -> bool:
+        """Whether an admission that makes a batch at ``bucket`` joins the drafting batch as it is, unpriced
+        (auto): every running request drafts and drafting ran at this load or a larger one, where retirement
+        (averaged over its checks, :attr:`PlannerConfig.retire_smoothing`) decides whether it still pays.
+        Why: priced at each admission round with the hysteresis (a new request drafts at 1.05x the target
+        alone's tokens/s), a batch at a true 1.07x flipped to not drafting at the first low reading of the
+        estimate (sd ~0.05 at 8 held-out requests, rounds every few steps); its drafting requests then
+        retired, and at a steady queue the batch never drained to draft again: 0.955 of the fixed width on
+        the H100 and in the batch replay (scripts/cpu_planner_replay.py --batch 8, fifty-first session)."""
+        sched = self.scheduler
+        if not (self.planner.adapts and sched.running and bucket <= self._drafted_at):
+            return False
+        return all(r.speculate for r in sched.running)
 
     def _admission_size(self) -> int:
         """The batch an admission round makes, the queue's requests included (as many as fit)."""
@@ -672,6 +691,7 @@ class LLMEngine:
         rids, bucket = [r.request_id for r in reqs], self.runner.bucket(len(reqs))
         drafters, width = self._width(reqs, rids, bucket)
         drafting = 0 < drafters == len(reqs)
+        self._drafted_at = bucket if drafting else 0
         plain = self.draft is not None and not drafters  # the target alone, no drafter upkeep
         t_plan = time.perf_counter()
         # drawn at the full width (G draws of each kind): a narrower step reads the first of each kind,

@@ -154,6 +154,15 @@ class PlannerConfig:
     # drafting's break-even is checked every this many steps (retirement is for good, so a few steps
     # late costs little; checked every step it was ~15-35 us of host work a step on the CPU)
     retire_every: int = 8
+    # retirement reads the batch's gain averaged over its checks (this the old average's weight; the average
+    # starts again with a batch of new requests; not at one request, whose stop ends with it). Why: for good,
+    # on a batch's own acceptance, whose estimate at 8 held-out requests, T=1, has a spread (sd 0.066) the
+    # size of the gain (1.07): checked every 8 steps, one check below break-even came within ~300 steps and
+    # the batch ran the target alone for the rest of a steady queue. Replayed over traced steps (the engine's
+    # rules, 8 and 32 requests, held-out T=1), 0.96 of the fixed width before, 1.00 with it (and
+    # LLMEngine._joins), and a batch at a true 0.93-0.95 still stops within ~200 steps
+    # (scripts/cpu_planner_replay.py --batch, fifty-first session)
+    retire_smoothing: float = 0.9
     # steps measured at a bucket at one token (width 1 of the drafting requests, or the target alone)
     # before drafting stops there for good (retirement; admission that would mix the batch): a
     # probe at width 1 takes them (at most twice as many tries, where mixed prompts void the times).
@@ -186,6 +195,7 @@ class PlannerConfig:
             "global_decay",
             "probe_reach",
             "plain_fade",
+            "retire_smoothing",
         )
         for name in (*names, "confidence_decay"):
             v = getattr(self, name)
@@ -444,6 +454,8 @@ class Planner:
     # width-1 steps tried there for it
     want_plain: set[int] = field(default_factory=set)
     plain_tries: dict[int, int] = field(default_factory=dict)
+    # bucket -> (the requests of its last retirement check, the gain averaged over its checks)
+    retire_gain: dict[int, tuple[frozenset, float]] = field(default_factory=dict)
     # the last step times measured, (bucket, width, seconds), kept with each decision. Why: on the H100 at one
     # held-out request the full width's running average stood 5-11% over its steps' mean at every retirement,
     # which neither the acceptance nor noisy costs explained in the replay (docs/benchmarks.md, forty-eighth
@@ -713,11 +725,21 @@ class Planner:
         if 1 in (self.widths or (1,)) and not any(w in (0, 1) for _, w in self.costs):
             return False  # for good, so only once a one-token step has a cost of its own (a probe)
         gain = self.drafting_gain(bucket, rids=rids)
-        if gain is None or gain >= 1:
+        if gain is None:
             return False
-        if not self._plain_known(bucket):  # first measure the one-token step here
-            self.want_plain.add(bucket)
+        if not self._plain_known(bucket):  # first measure the one-token step here (nothing averaged till then)
+            if gain < 1:
+                self.want_plain.add(bucket)
             return False
+        # (one request: not averaged; its batch ends with it, so a stop costs that request's rest alone)
+        batch, a = frozenset(rids or ()), self.cfg.retire_smoothing if bucket > 1 else 0.0
+        last = self.retire_gain.get(bucket)
+        if last is not None and (last[0] & batch or not batch):  # (the same batch, or some of it, as last time)
+            gain = a * last[1] + (1 - a) * gain
+        self.retire_gain[bucket] = (batch, gain)
+        if gain >= 1:
+            return False
+        del self.retire_gain[bucket]
         self._note("retire", bucket, gain)
         return True
 
