@@ -610,7 +610,11 @@ def test_speculate_new_requests_only_where_drafting_pays():
     assert not p.speculate_new(4, 4)
     p.costs[(4, W)] = 0.030  # 4.1 in 30 ms: drafting pays
     assert p.speculate_new(4, 4)
-    p.costs[(4, W)] = 0.041 / 1.02  # pays by 2%, within the hysteresis: the target alone
+    p.costs[(4, W)] = 0.041 / 1.02  # pays by 2%: drafting goes on (to break-even)
+    assert p.speculate_new(4, 4)
+    p.costs[(4, W)] = 0.041 / 0.98
+    assert not p.speculate_new(4, 4)
+    p.costs[(4, W)] = 0.041 / 1.02  # from not drafting, within the hysteresis: the target alone
     assert not p.speculate_new(4, 4) and p.drafting_gain(4) > 1
     p.costs[(4, W)] = 0.030
     p.observe_plain(4, 0.005)  # the target alone measured cheaper than a drafting request's width 1
@@ -621,7 +625,7 @@ def test_speculate_new_requests_only_where_drafting_pays():
         ("admit drafting", None, [None, "derived"], [None, "derived"]),  # the cold start: nothing priced yet
         ("admit not drafting", pytest.approx(0.82, abs=0.01), [50.0, "given"], [10.0, "given"]),
         ("admit drafting", pytest.approx(1.37, abs=0.01), [30.0, "given"], [10.0, "given"]),
-        ("admit not drafting", pytest.approx(1.02, abs=0.01), [40.196, "given"], [10.0, "given"]),
+        ("admit not drafting", pytest.approx(0.98, abs=0.01), [41.837, "given"], [10.0, "given"]),
     ]  # (the last answer, not drafting again with width 0 measured, is no turn)
     p.costs[(4, W)] = 0.010
     assert p.speculate_new(4, 4) and p.state()["decisions"][-1]["plain"] == [5.0, 1]  # one step measured
@@ -721,6 +725,24 @@ def test_retirement_reads_the_batch_gain_averaged_over_its_checks():
     assert not check(4, 1.07, batch) and check(4, 0.97, ["e", "f", "g", "h"])  # new requests: their own reading
     assert not check(4, 1.07, batch) and not check(4, 0.97, ["d", "e", "f", "g"])  # (one of them is the same)
     assert not check(1, 1.07, ["x"]) and check(1, 0.99, ["x"])  # one request: each reading on its own
+
+
+def test_admission_keeps_drafting_to_break_even_and_starts_it_by_the_hysteresis():
+    """A request admitted while the load was last admitted drafting drafts down to break-even; one admitted
+    after an answer not to draft, or after a retirement, drafts only past the hysteresis (1.05)."""
+    p = Planner(W, PlannerConfig(mode="auto", probe_every=2, retire_every=2, retire_smoothing=0))
+    p.costs[(4, 1)] = 0.010  # the one-token step; prior 0.9: 4.0951 tokens a full step
+
+    def priced(gain: float) -> bool:
+        p.costs[(4, W)] = 0.040951 / gain
+        return p.speculate_new(4, 4)
+
+    assert priced(1.2) and priced(1.03) and not priced(0.99)  # drafting, then to break-even
+    assert not priced(1.03) and priced(1.06) and priced(1.01)  # from not drafting: past the hysteresis
+    p.steps = 2
+    p.costs[(4, W)] = 0.040951 / 0.98
+    assert p.retire(4, ["a"])
+    assert not priced(1.03) and priced(1.06)  # a retirement: past the hysteresis again
 
 
 def _h200_at_128(x1_live: float) -> Planner:

@@ -641,10 +641,14 @@ class Planner:
         if cfg.mode == "off":
             return True
         gain = self.drafting_gain(bucket, strict=True)
-        # by the hysteresis: near break-even the target alone is the safe side (on the H200
-        # at 8 requests, T=1, an estimated gain of ~1.05 served 0.88x with the fixed width, the
-        # tail of a finishing wave and the drafter's prefill upkeep not in the step costs)
-        drafts = gain is None or bool(gain >= 1 + cfg.hysteresis)
+        # by the hysteresis, from not drafting (admitted so last, or retired since): near break-even the
+        # target alone is the safe side (on the H200 at 8 requests, T=1, an estimated gain of ~1.05 served
+        # 0.88x with the fixed width, the tail of a finishing wave and the drafter's prefill upkeep not in
+        # the step costs, nineteenth session). From drafting, break-even: at a steady queue this answer holds
+        # until the batch drains, and on the H100 at 8 held-out requests, T=1, a round admitted at a priced
+        # 1.033 after a round that drafted ran the target alone where the fixed width served 1.09x
+        # (fifty-first session)
+        drafts = gain is None or bool(gain >= (1 if self._admitting else 1 + cfg.hysteresis))
         if not drafts and not self._plain_known(bucket):  # draft on until the target alone is measured there
             self.want_plain.add(bucket)
             drafts = True
@@ -740,6 +744,7 @@ class Planner:
         if gain >= 1:
             return False
         del self.retire_gain[bucket]
+        self._admitting = False  # (so drafting is admitted again by the hysteresis: speculate_new)
         self._note("retire", bucket, gain)
         return True
 
