@@ -346,6 +346,71 @@ def test_preemption_and_slot_moves(llama):
     assert [r.accept_hist for r in reqs] == [r.accept_hist for r in paged]
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_overlap_schedule_commits_each_step_while_the_next_runs(llama, monkeypatch, sampled):
+    """The static runner's steps committed while the next one runs (the default; SGLang's
+    --disable-overlap-schedule commits each first): the same tokens, finishes, logprobs and counts as
+    committing first, greedy and seeded sampled, through finishes, slot moves and preemptions, with a request
+    that a stop id ends early, one with min_tokens and one asking logprobs (their batches commit first); most
+    steps. commits ran inside the next step."""
+    t, d = llama
+    prompts = _prompts(9, seed=5)
+    g = hf_greedy(t, prompts[1], 33)
+    stop = g[min(5, len(g) - 1)]  # (greedy: request 1 ends at its sixth token or before)
+
+    def run(disable: bool):
+        eng = LLMEngine(
+            t,
+            d,
+            EngineConfig(
+                max_running_requests=3,
+                num_draft_tokens=5,
+                context_length=128,
+                max_total_tokens=192,
+                page_size=8,
+                runner="static",
+                sampler_backend="sort",
+                disable_overlap_schedule=disable,
+            ),
+        )
+        inside = {"n": 0}
+        real = eng._settle
+
+        def counted(p, rows=None, overlapped=False, t0=None):
+            inside["n"] += overlapped
+            return real(p, rows, overlapped, t0)
+
+        monkeypatch.setattr(eng, "_settle", counted)
+        reqs = []
+        for i, p in enumerate(prompts):
+            hot = sampled and i % 2 == 1
+            sp = SamplingParams(
+                temperature=1.0 if hot else 0.0,
+                top_p=0.9 if hot else 1.0,
+                max_new_tokens=(40, 33, 45)[i % 3],
+                seed=i,
+                stop_token_ids=(stop,) if i == 1 else (),
+                min_tokens=10 if i == 4 else 0,
+                logprobs=2 if i == 6 else None,
+            )
+            reqs.append(eng.add_request(Request(p.tolist(), sp)))
+        eng.run_until_done()
+        assert eng._pending is None and eng.pool_usage()[0] == 0
+        return eng, reqs, inside["n"]
+
+    first_eng, first, n_first = run(True)
+    eng, reqs, n = run(False)
+    assert n_first == 0 and n > eng.stats.steps // 4 and eng.stats.preemptions > 0
+    assert len(reqs[1].output_ids) <= 6 or sampled
+    for a, b in zip(first, reqs):
+        assert (b.output_ids, b.finish_reason, b.accept_hist) == (a.output_ids, a.finish_reason, a.accept_hist)
+        assert b.logprobs == a.logprobs and b.top_logprobs == a.top_logprobs
+    s, s0 = eng.stats, first_eng.stats
+    assert (s.verify_steps, s.steps, s.accepted_by_position) == (s0.verify_steps, s0.steps, s0.accepted_by_position)
+    for i in (0, 2, 8):  # greedy, no stop ids: the target's own greedy output
+        assert reqs[i].output_ids == hf_greedy(t, prompts[i], reqs[i].sampling.max_new_tokens)
+
+
 def test_pack_prefill_packs_chunks_into_the_smallest_totals():
     """Packed prefill's plan: longest chunk first into the first replay with room (tokens and rows),
     each replay the smallest total that holds its chunks; one chunk past every total: no plan."""

@@ -194,6 +194,19 @@ def test_flag_value_forms():
     assert parse("--model", "x").model_path == "x" and parse("--tp", "2").tp_size == 2
 
 
+def test_overlap_schedule_flag_reaches_the_engine():
+    """SGLang's --disable-overlap-schedule: each step committed before the next launches (default: overlapped)."""
+    from targets import build
+    from dflash2.cli import build_parser
+    from dflash2.server.launch import engine_config
+    from dflash2.target import TargetModel
+
+    t = TargetModel(build("llama"), layer_ids=[0, 2])
+    parse = lambda *a: build_parser().parse_args(["serve", "--context-length", "128", *a])
+    assert not engine_config(parse(), t, None, 1).disable_overlap_schedule
+    assert engine_config(parse("--disable-overlap-schedule"), t, None, 1).disable_overlap_schedule
+
+
 def _client(url):
     openai = pytest.importorskip("openai")
     return openai, openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)

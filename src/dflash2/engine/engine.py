@@ -104,6 +104,12 @@ class EngineConfig:
     # a run whose requests are all one kind (bench acceptance: half the captures); a request of the other
     # kind is refused (the planner's start-up profile then times that kind's steps)
     graph_sampling: str = "both"
+    # SGLang's flag: commit each step (its tokens into the requests: stop rules, streaming, counts) before the
+    # next is launched. By default the static runner commits a step while the device runs the next (the
+    # requests whose tokens may end them first, so the next batch leaves them out). Why: at 128 requests on
+    # the H100 a step's wall was 1.5x its graphs' device time, the commit ~0.3 ms of the gap (fifty-first
+    # session)
+    disable_overlap_schedule: bool = False
 
     def admits(self, sampling: SamplingParams) -> bool:
         """Whether a request of this kind (greedy or sampled) has step graphs here (``graph_sampling``)."""
@@ -188,6 +194,21 @@ class LatencyHistogram:
 
 
 @dataclass
+class PendingStep:
+    """A decode step read back and not yet committed (the overlap schedule): its rows wait for
+    :meth:`LLMEngine._settle`, those whose tokens may end their request first."""
+
+    reqs: list[Request]
+    out: StepOutput
+    width: int
+    drafting: bool
+    plain: bool
+    bucket: int
+    seconds: float  # its wall (without its commit, which runs while the next step does)
+    left: list[int]  # its rows not committed yet
+
+
+@dataclass
 class EngineStats:
     completed: int = 0  # finished normally (stop or length)
     aborted: int = 0  # cancelled (client gone, shutdown)
@@ -259,6 +280,7 @@ class LLMEngine:
         # during this step (auto: the answer depends on the bucket alone)
         self._admit_ahead: tuple[int, bool] | None = None
         self._drafted_at = 0  # the bucket of the last step where every request drafted (0: none since a plain one)
+        self._pending: PendingStep | None = None  # the last step, read back, its commit deferred (overlap schedule)
         # the bucket where the check made during this step says its drafting requests stop for good
         # (Planner.retire, acted on at the next step there)
         self._retire_ahead: int | None = None
@@ -479,6 +501,7 @@ class LLMEngine:
                     self.scheduler.finish(req)
             self.prefilling.clear()
             self._due.clear()
+            self._pending = None
 
     def health(self) -> str | None:
         """None when the engine is stepping, else why not."""
@@ -496,7 +519,9 @@ class LLMEngine:
             return [r.request_id for r in [*self.scheduler.running, *self.scheduler.waiting, *queued]]
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self._aborts or self._inbox)
+        return bool(
+            self.scheduler.waiting or self.scheduler.running or self._aborts or self._inbox or self._pending is not None
+        )
 
     def run_until_done(self) -> None:
         while self.has_work():
@@ -577,18 +602,23 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
-        """Aborts and admissions, then one speculative step of every running request whose prompt is
-        in, with the next chunk of prefill launched while the device computes that step (or alone,
-        when nothing decodes), then the new requests' first tokens. Why inside the step: at 64
+        """The last step's requests that its tokens may end, committed; aborts and admissions; then one
+        speculative step of every running request whose prompt is in, with the last step's other commits
+        and the next chunk of prefill run while the device computes that step (or alone, when nothing
+        decodes), then the new requests' first tokens. Why the prefill inside the step: at 64
         requests on the H200 a prefill call after each step, with its own read-back, took 19-25% of
         the wall (docs/benchmarks.md, twenty-third session)."""
         if self.tp is not None and not self._share_inbox():
             return
+        if self._pending is not None:  # the last step's requests it may end, so this step's batch leaves them out
+            self._settle(self._pending, self._ending(self._pending))
         self._admit()
         reqs = self._decode_batch()
         if reqs:
             self._decode(reqs)
         else:
+            if self._pending is not None:
+                self._settle(self._pending)
             self._prefill_some(defer=True)
         self._emit_first_tokens()
 
@@ -670,6 +700,8 @@ class LLMEngine:
         (preempting the newest when the pool is short)."""
         with self.lock:
             preempted = self.scheduler.reserve_step()
+        if preempted and self._pending is not None:  # (their tokens into their prompt for the re-prefill)
+            self._settle(self._pending, [b for b, r in enumerate(self._pending.reqs) if r in preempted])
         for req in preempted:
             self.runner.release(req)
             if req in self.prefilling:
@@ -684,7 +716,8 @@ class LLMEngine:
 
     def _decode(self, reqs: list[Request]) -> None:
         """One step of the decode batch: its width (the planner's), the runner's step (draft, verify,
-        accept; a prefill launched inside it), then each request's tokens and the planner's counts."""
+        accept; the last step's commit and a prefill run inside it), then each request's tokens and the
+        planner's counts: at once, or (the overlap schedule, :meth:`_defers`) inside the next step."""
         t0 = time.perf_counter()
         # all greedy (the usual batch): argmax acceptance needs no distributions, uniforms or parameters
         greedy = all(r.sampling.greedy for r in reqs)
@@ -699,11 +732,18 @@ class LLMEngine:
         G = self.width - 1
         ahead, self._draws_ahead = self._draws_ahead, None
         sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device, G, ahead=ahead)
+        prev, self._pending = self._pending, None
+        defer = self._defers(reqs)
+        if prev is not None and not defer:  # this step reads its requests' host tokens: the last one's first
+            self._settle(prev)
+            prev = None
         t_run = time.perf_counter()
 
         def overlap() -> None:
-            # host work while the device runs the step: the next step's draws, the last step's counts,
-            # the next step's width, a prefill
+            # host work while the device runs the step: the last step's commit, the next step's draws, the
+            # last step's counts, the next step's width, a prefill
+            if prev is not None:
+                self._settle(prev, overlapped=True)
             if not greedy:
                 self._draws_ahead = draw_ahead(reqs, G, self.target.device)
             self.planner.fold()
@@ -720,6 +760,8 @@ class LLMEngine:
             out = self.runner.step(reqs, sampling, width, overlap=overlap, prefill=mix, trim=trim)
         except Exception as e:  # a failing batch fails its requests, not the server
             log.exception("speculative step failed")
+            if prev is not None and prev.left:  # (the last step's tokens were read back whole: theirs first)
+                self._settle(prev)
             with self.lock:
                 # (a prompt that ran with the failed step fails with it: its K/V may be half written)
                 for r in reqs + ([mix[0]] if mix is not None and mix[0].prefill_pos else []):
@@ -732,22 +774,83 @@ class LLMEngine:
         if mix is not None and out.prefilled is not None:  # the prompt went in with the step
             self.stats.prompts_mixed += 1
             self._take_prefilled([mix], [out.prefilled])
-        self._commit(reqs, out, width)
-        t_commit = time.perf_counter()
-        # the step's own wall: without what the prefill launched inside it added (OverlapClock)
-        seconds = t_commit - t0 - out.overlap_s
-        if self.tp is not None:  # the planner learns rank 0's clock everywhere, so every rank chooses alike
-            seconds = self.tp.share(seconds)
+        self._count(out, width)
+        s = self.stats
+        s.host_s += t_run - t0
+        s.plan_s += t_plan - t0
+        s.draw_s += t_run - t_plan
+        # the step's own wall: without what the prefill launched inside it added (OverlapClock); a deferred
+        # commit's runs while the next step does
+        step = PendingStep(reqs, out, width, drafting, plain, bucket, t_back - t0 - out.overlap_s, [*range(len(reqs))])
+        if defer:
+            self._pending = step
+        else:
+            self._settle(step, t0=t0)
+
+    def _defers(self, reqs: list[Request]) -> bool:
+        """Whether this step's commit may wait for the next step's launch (the overlap schedule): the runner
+        keeps every anchor on the device, one rank, and no request reads the step's device buffers or its
+        own host tokens at the next launch (logprobs: the logits, overwritten; min_tokens: the tokens owed)."""
+        return (
+            not self.cfg.disable_overlap_schedule
+            and getattr(self.runner, "defers_commit", False)
+            and self.tp is None
+            and not any(r.sampling.logprobs is not None or r.sampling.min_tokens for r in reqs)
+        )
+
+    def _ending(self, p: PendingStep) -> list[int]:
+        """The rows of ``p`` whose tokens may end their request (:meth:`_cannot_end` false)."""
+        return [b for b in p.left if not self._cannot_end(p.reqs[b], p.out.tokens[b])]
+
+    def _cannot_end(self, req: Request, tokens: list[int]) -> bool:
+        """Whether appending ``tokens`` cannot end ``req``: within its length, no stop token, no stop strings
+        (the usual step, where no rule need be read a token)."""
+        sp = req.sampling
+        room = min(sp.max_new_tokens - len(req.output_ids), self.cfg.context_length - req.num_tokens)
+        return (
+            len(tokens) < room
+            and not req.stop_strings
+            and (sp.ignore_eos or self.eos.isdisjoint(tokens))
+            and (not sp.stop_token_ids or set(sp.stop_token_ids).isdisjoint(tokens))
+        )
+
+    def _settle(
+        self, p: PendingStep, rows: list[int] | None = None, overlapped: bool = False, t0: float | None = None
+    ) -> None:
+        """Commit ``rows`` of a step read back (default: all it has left); once all are in, what the planner
+        learns from it. ``t0``: committed at once, its wall taken to the commit's end. ``overlapped``: inside
+        the next step's overlap, off the step's critical path (not counted as host time)."""
+        t_c = time.perf_counter()
+        todo = p.left if rows is None else rows
+        for b in todo:
+            r = p.reqs[b]
+            if not r.finished:  # (aborted meanwhile)
+                self._commit_row(r, p.out, b, p.width)
+        done = set(todo)
+        p.left = [b for b in p.left if b not in done]
         t_obs = time.perf_counter()
-        self._observe(reqs, out, drafting, plain, width, bucket, seconds)
-        if all(r.finished for r in reqs):  # no step of theirs follows whose overlap would free their rows
+        s = self.stats
+        if not overlapped:  # (the overlap's work is not host time of the step: it runs while the device does)
+            s.commit_s += t_obs - t_c
+            s.host_s += t_obs - t_c
+        if p.left:
+            if self._pending is not p:  # (kept for the rest)
+                self._pending = p
+            return
+        if self._pending is p:
+            self._pending = None
+        if t0 is not None:
+            p.seconds = t_obs - t0 - p.out.overlap_s
+        if self.tp is not None:  # the planner learns rank 0's clock everywhere, so every rank chooses alike
+            p.seconds = self.tp.share(p.seconds)
+        t_o = time.perf_counter()
+        self._observe(p.reqs, p.out, p.drafting, p.plain, p.width, p.bucket, p.seconds)
+        if all(r.finished for r in p.reqs):  # no step of theirs follows whose overlap would free their rows
             self.planner.fold()
         t_end = time.perf_counter()
-        s = self.stats
-        s.host_s += (t_run - t0) + (t_end - t_back)
-        s.plan_s += (t_plan - t0) + (t_end - t_obs)
-        s.draw_s += t_run - t_plan
-        s.commit_s += t_commit - t_back
+        if not overlapped:
+            s.plan_s += t_end - t_o
+            s.host_s += t_end - t_obs
 
     def _width(self, reqs: list[Request], rids: list[str], bucket: int) -> tuple[int, int]:
         """How many of the batch's requests draft, and the step's verify width (1: the target alone, or a
@@ -774,26 +877,36 @@ class LLMEngine:
         return drafters, self.planner.choose(rids, bucket)
 
     def _commit(self, reqs: list[Request], out: StepOutput, width: int) -> None:
-        """Each request's tokens of the step (stop rules, streaming) and the step's counts."""
+        """Each request's tokens of the step (stop rules, streaming) and the step's counts, at once."""
+        for b, r in enumerate(reqs):
+            self._commit_row(r, out, b, width)
+        self._count(out, width)
+
+    def _commit_row(self, r: Request, out: StepOutput, b: int, width: int) -> None:
+        """Row ``b`` of the step: its request's tokens (stop rules, streaming) and per-request counts."""
+        tokens, n = out.tokens[b], out.num_accepted[b]
+        if r.sampling.logprobs is not None and out.logits is not None:
+            self._record_logprobs(r, out.logits[b], tokens)
+        r.verify_steps += 1
+        r.draft_s += out.draft_s
+        r.verify_s += out.verify_s
+        r.accept_hist[n] += 1
+        r.width_sum += width
+        self._append(r, tokens)
+
+    def _count(self, out: StepOutput, width: int) -> None:
+        """The step's counts (every row's accepted drafts, its width, its times)."""
         s, hist = self.stats, [0] * (width + 1)  # (hist: the step's requests by accepted drafts)
-        for b, (r, tokens, n) in enumerate(zip(reqs, out.tokens, out.num_accepted)):
-            if r.sampling.logprobs is not None and out.logits is not None:
-                self._record_logprobs(r, out.logits[b], tokens)
-            r.verify_steps += 1
-            r.draft_s += out.draft_s
-            r.verify_s += out.verify_s
-            r.accept_hist[n] += 1
-            r.width_sum += width
+        for n in out.num_accepted:
             hist[n] += 1
-            self._append(r, tokens)
-        s.verify_steps += len(reqs)
+        s.verify_steps += len(out.num_accepted)
         beyond = 0  # requests that accepted more than i drafts: draft i + 1 accepted
         for i in range(width - 1, 0, -1):
             beyond += hist[i]
             s.accepted_by_position[i - 1] += beyond
         s.steps += 1
         s.steps_by_width[width] = s.steps_by_width.get(width, 0) + 1
-        s.drafts_proposed += (width - 1) * len(reqs)
+        s.drafts_proposed += (width - 1) * len(out.num_accepted)
         s.draft_s += out.draft_s
         s.verify_s += out.verify_s
 
@@ -971,15 +1084,10 @@ class LLMEngine:
     # ---- tokens and stopping ------------------------------------------------------------------
     def _append(self, req: Request, tokens: list[int]) -> None:
         sp, new = req.sampling, []
-        room = min(sp.max_new_tokens - len(req.output_ids), self.cfg.context_length - req.num_tokens)
-        if (
-            len(tokens) < room
-            and not req.stop_strings
-            and (sp.ignore_eos or self.eos.isdisjoint(tokens))
-            and (not sp.stop_token_ids or set(sp.stop_token_ids).isdisjoint(tokens))
-        ):  # the usual step: nothing in it can end the request, so no rule a token. Why: the rules a token
-            # were 40% of the commit's host time, on the step's critical path (0.20 -> 0.12 ms a step at 128
-            # requests, scripts/cpu_commit_bench.py; forty-seventh session)
+        # the usual step: nothing in it can end the request, so no rule a token. Why: the rules a token were 40%
+        # of the commit's host time (0.20 -> 0.12 ms a step at 128 requests, scripts/cpu_commit_bench.py;
+        # forty-seventh session)
+        if self._cannot_end(req, tokens):
             req.output_ids += tokens
             self.stats.generated_tokens += len(tokens)
             self._notify(req, tokens)

@@ -184,6 +184,10 @@ def static_bytes(target: TargetModel, draft, slots: int, max_len: int) -> int:
 
 
 class GraphModelRunner:
+    # each slot's anchor and position live on the device (the verify writes them): a step needs no host
+    # token of the step before, so the engine may commit that step while this one runs (overlap schedule)
+    defers_commit = True
+
     def __init__(
         self,
         target: TargetModel,
@@ -286,6 +290,10 @@ class GraphModelRunner:
         self.ar = torch.arange(width, **lng)
         self.occupant: list[Request] = []  # occupant[s] holds slot s
         self.stale: set[int] = set()  # slots whose anchor / position the host must write
+        # slots whose occupant moved in (its anchor and position copied on the device): their min_tokens state
+        # is written again. Why not the host's anchor: with the engine's commit deferred past the next launch
+        # (the overlap schedule) a running request's host tokens may lag the device's by a step
+        self.moved: set[int] = set()
         # per slot, for sampled batches: parameters and uniforms (one block, BatchSampling.from_rows'
         # layout), and q_draft from the draft graph (idle slots keep a previous occupant's values: valid
         # inputs whose results nobody reads)
@@ -429,10 +437,17 @@ class GraphModelRunner:
                 if self.draft is not None:
                     self.lat[:, s, :n] = self.lat[:, last, :n]
             self.occupant[s], mover.slot = mover, s
-            self.stale.add(s)
+            self.stale.discard(s)
+            self.moved.discard(s)
+            if last in self.stale:  # (not loaded since its prefill: its anchor is the host's)
+                self.stale.add(s)
+            else:  # queued after any step in flight, so the copy is of where that step leaves the slot
+                self.ids[s, 0], self.start[s] = self.ids[last, 0], self.start[last]
+                self.moved.add(s)
         if self.paged:  # the freed slot's rows write to the scratch page from now on
             self.tables[last], self.synced[last] = self.static.scratch, 0
         self.stale.discard(last)
+        self.moved.discard(last)
         self.occupant.pop()
 
     def _sync_table(self, req: Request) -> None:
@@ -759,7 +774,7 @@ class GraphModelRunner:
         idx, B, kv_len = self._index(reqs)
         for r in reqs:
             self._sync_table(r)
-            self._sync_owed(r, r.slot in self.stale)
+            self._sync_owed(r, r.slot in self.stale or r.slot in self.moved)
         stale = [r for r in reqs if r.slot in self.stale]
         if stale:
             dev = self.ids.device
@@ -767,6 +782,8 @@ class GraphModelRunner:
             self.ids[at, 0] = steps.h2d([r.last_id for r in stale], torch.long, dev)
             self.start[at] = steps.h2d([r.num_committed for r in stale], torch.long, dev)
             self.stale.difference_update(r.slot for r in stale)
+        if self.moved:
+            self.moved.difference_update(r.slot for r in reqs)
         if sampling is not None:
             self._load_sampling(idx, sampling)
         return idx, B, kv_len

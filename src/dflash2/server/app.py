@@ -561,6 +561,9 @@ async def server_info(http: HTTPRequest):
         "speculative_num_draft_tokens": st.engine.width,
         # what the runner does (the flag's default is "where it applies")
         "enable_mixed_chunk": bool(getattr(st.engine.runner, "mixed_lengths", ())),
+        # whether a step's commit can run while the next one does (the static runner, the flag not given)
+        "disable_overlap_schedule": st.engine.cfg.disable_overlap_schedule
+        or not getattr(st.engine.runner, "defers_commit", False),
         "gc_frozen_objects": gc.get_freeze_count(),  # what no collection walks (launch: freeze_gc)
         "internal_states": [
             {

@@ -38,6 +38,12 @@ def add_serve_parser(sub) -> None:
         "default: off: with the packed prefill it no longer pays on the H200, 8B shape, 8 and 32 requests: "
         "docs/benchmarks.md, 36th session)",
     )
+    p.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="commit each decode step (its tokens into the requests) before the next is launched; by default "
+        "the static-slot runner commits a step while the device runs the next",
+    )
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--speculative-draft-kv-cache-dtype", default="auto")
     add_tp_flag(p)
@@ -168,6 +174,7 @@ def engine_config(args, target, draft, width: int):
         runner=args.model_runner,
         chunked_prefill_size=args.chunked_prefill_size,
         enable_mixed_chunk=args.enable_mixed_chunk,
+        disable_overlap_schedule=args.disable_overlap_schedule,
         speculative_planner=args.speculative_planner,
         speculative_trim=args.enable_speculative_trim,
         speculative_planner_widths=args.speculative_planner_widths,
