@@ -796,7 +796,10 @@ def stage_engine(args) -> None:
             keep,
             shared,
             attention_backends=tuple(args.attention_backends.split(",")),
-            engine_kw={"enable_mixed_chunk": {"auto": None, "on": True, "off": False}[args.mixed_chunk]},
+            engine_kw={
+                "enable_mixed_chunk": {"auto": None, "on": True, "off": False}[args.mixed_chunk],
+                "disable_overlap_schedule": args.disable_overlap_schedule,
+            },
         )
         print(f"engine, CUDA graphs, bf16, {set_name}, T={temp}\n" + engine_speed.table(rows), flush=True)
         keep(rows)
@@ -2292,6 +2295,11 @@ def main() -> None:
         choices=("auto", "on", "off"),
         default="auto",
         help="shape, engine: --enable-mixed-chunk for every engine (target alone too); auto: the engine's default",
+    )
+    ap.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="engine: every engine commits each step before the next launches (A/B against the default)",
     )
     ap.add_argument("--prefill-packed", action="store_true", help="shape: packed prefill vs each prompt alone, timed")
     ap.add_argument("--prefill-tokens", default=None, help="graph_runner.PREFILL_TOKENS for this call")
