@@ -411,6 +411,23 @@ def test_overlap_schedule_commits_each_step_while_the_next_runs(llama, monkeypat
         assert reqs[i].output_ids == hf_greedy(t, prompts[i], reqs[i].sampling.max_new_tokens)
 
 
+def test_a_deferred_row_is_committed_once(llama):
+    """A step's rows asked for again (a request whose row went in early, e.g. one with stop strings, then
+    preempted) are committed once: its tokens appended once, its counts once."""
+    t, d = llama
+    eng = LLMEngine(t, d, EngineConfig(max_running_requests=2, num_draft_tokens=5, context_length=128, runner="static"))
+    reqs = [eng.add_request(Request(p.tolist(), SamplingParams(max_new_tokens=30))) for p in _prompts(2, seed=3)]
+    while eng._pending is None:
+        eng.step()
+    p = eng._pending
+    before = [len(r.output_ids) for r in reqs]
+    eng._settle(p, [0])
+    eng._settle(p, [0, 1])
+    eng._settle(p)
+    assert [len(r.output_ids) - n for r, n in zip(reqs, before)] == [len(x) for x in p.out.tokens]
+    assert [r.verify_steps for r in reqs] == [eng.stats.steps] * 2 and eng._pending is None
+
+
 def test_pack_prefill_packs_chunks_into_the_smallest_totals():
     """Packed prefill's plan: longest chunk first into the first replay with room (tokens and rows),
     each replay the smallest total that holds its chunks; one chunk past every total: no plan."""

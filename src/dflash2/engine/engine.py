@@ -821,7 +821,7 @@ class LLMEngine:
         learns from it. ``t0``: committed at once, its wall taken to the commit's end. ``overlapped``: inside
         the next step's overlap, off the step's critical path (not counted as host time)."""
         t_c = time.perf_counter()
-        todo = p.left if rows is None else rows
+        todo = p.left if rows is None else [b for b in rows if b in p.left]  # (a row is committed once)
         for b in todo:
             r = p.reqs[b]
             if not r.finished:  # (aborted meanwhile)
