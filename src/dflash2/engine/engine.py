@@ -227,7 +227,9 @@ class EngineStats:
     host_s: float = 0.0  # of step_s: outside runner.step (the planner before it, bookkeeping after)
     plan_s: float = 0.0  # of host_s: the planner's calls (retirement, the width, the observation)
     draw_s: float = 0.0  # of host_s: the batch's parameters and uniforms (BatchSampling.draw)
-    commit_s: float = 0.0  # of host_s: the step's tokens into each request (stop rules, streaming, counts)
+    # of host_s: the step's tokens into each request (stop rules, streaming, counts) on the critical path (the
+    # overlap schedule's: the rows that may end their request; its other rows go in while the next step runs)
+    commit_s: float = 0.0
     overlap_s: float = 0.0  # what the work run inside steps (prefills) added to their wall (OverlapClock)
     prefill_s: float = 0.0  # prefill chunks, first tokens included
     steps_by_width: dict[int, int] = field(default_factory=dict)  # the widths verified

@@ -772,9 +772,14 @@ class GraphModelRunner:
         """The anchor and position of each stale slot (a new request, or one moved), and every
         request's sampling rows, into the slot buffers."""
         idx, B, kv_len = self._index(reqs)
-        for r in reqs:
-            self._sync_table(r)
-            self._sync_owed(r, r.slot in self.stale or r.slot in self.moved)
+        synced, owed, fresh, moved = self.synced, self.owed_host, self.stale, self.moved
+        for r in reqs:  # (the calls only where there is something to write: this loop is per request, per step)
+            s = r.slot
+            assert s is not None
+            if self.paged and len(r.block_table) != synced[s]:
+                self._sync_table(r)
+            if r.sampling.min_tokens or owed[s] or s in fresh or s in moved:
+                self._sync_owed(r, s in fresh or s in moved)
         stale = [r for r in reqs if r.slot in self.stale]
         if stale:
             dev = self.ids.device
