@@ -720,6 +720,11 @@ class LLMEngine:
         """One step of the decode batch: its width (the planner's), the runner's step (draft, verify,
         accept; the last step's commit and a prefill run inside it), then each request's tokens and the
         planner's counts: at once, or (the overlap schedule, :meth:`_defers`) inside the next step."""
+        prev, self._pending = self._pending, None
+        defer = self._defers(reqs)
+        if prev is not None and not defer:  # this step reads its requests' host tokens: the last one's first
+            self._settle(prev)
+            prev = None
         t0 = time.perf_counter()
         # all greedy (the usual batch): argmax acceptance needs no distributions, uniforms or parameters
         greedy = all(r.sampling.greedy for r in reqs)
@@ -734,11 +739,6 @@ class LLMEngine:
         G = self.width - 1
         ahead, self._draws_ahead = self._draws_ahead, None
         sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device, G, ahead=ahead)
-        prev, self._pending = self._pending, None
-        defer = self._defers(reqs)
-        if prev is not None and not defer:  # this step reads its requests' host tokens: the last one's first
-            self._settle(prev)
-            prev = None
         t_run = time.perf_counter()
 
         def overlap() -> None:
