@@ -207,10 +207,14 @@ def test_engine_speed_times_the_static_runners_graphs(monkeypatch):
     monkeypatch.setattr(es, "render", lambda tok, p: torch.randint(3, 96, (6,)).tolist())
     rows = es.run(t, draft, ["a", "b", "c"], [3], ["block"], [2], 5, 1.0, warmup=False, engine_kw={"runner": "static"})
     assert [r.config for r in rows] == ["target", "dflash2 w=3 block"]
-    for r in rows:
+    for r, line in zip(rows, es.table(rows).splitlines()[1:]):
         assert r.device_ms_by_shape and r.device_ms_by_shape.keys() == r.step_ms_by_shape.keys()
         for k, (n, ms) in r.device_ms_by_shape.items():
             assert n == r.step_ms_by_shape[k][0] and 0 < ms <= r.step_ms_by_shape[k][1]
+        wall, dev = (float(x) for x in line.split()[-1].split("/"))  # the table's step/dev column: the means
+        n = sum(k for k, _ in r.step_ms_by_shape.values())
+        assert wall == pytest.approx(sum(k * ms for k, ms in r.step_ms_by_shape.values()) / n, abs=0.006)
+        assert 0 < dev <= wall + 0.01
 
 
 def test_widths_between_serve_the_wider_engines_only(monkeypatch):
@@ -301,10 +305,11 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
     assert (target.round_tokens_per_s, target.round_slots) == ([10.0, 30.0], [0, 3])
     assert spec.speedup == pytest.approx(40.0 / target.tokens_per_s)
     assert spec.accept_length == pytest.approx(2.0)
-    # the collections' time over the rounds, in the table's last column (ms)
+    # the collections' time over the rounds, in the table's gc column (ms); no step timed here: "-" after it
     assert (target.gc_seconds, spec.gc_seconds) == (0.0, 0.5)
     lines = es.table(rows).splitlines()
-    assert lines[0].split()[-2:] == ["gc", "ms"] and [x.split()[-1] for x in lines[1:3]] == ["0", "500"]
+    assert lines[0].split()[-4:] == ["gc", "ms", "step/dev", "ms"]
+    assert [x.split()[-2:] for x in lines[1:3]] == [["0", "-"], ["500", "-"]]
 
 
 def test_engine_speed_stops_rounds_and_levels_at_the_deadline(monkeypatch):

@@ -388,19 +388,30 @@ def run(
     return rows
 
 
+def _mean_ms(by_shape: dict) -> float | None:
+    """The steps' mean ms over a ``{shape: [steps, mean ms]}`` dict (None: empty)."""
+    n = sum(k for k, _ in by_shape.values())
+    return sum(k * ms for k, ms in by_shape.values()) / n if n else None
+
+
 def table(rows: list[ConcurrencyRow]) -> str:
+    """One line a row; "step/dev ms": a step's mean wall (prefill out) over its graphs' device time (the last
+    round's), where the gap is host work the device waits for."""
     out = [
         f"{'config':<40}{'conc':>5}{'tok/s':>9}{'AL':>6}{'speedup':>9}{'width':>7}{'draft ms':>10}{'verify ms':>10}"
         f"{'other ms':>9}{'rounds':>7}{'tok/s range':>16}{'wall % decode/prefill/host':>28}{'gc ms':>8}"
+        f"{'step/dev ms':>13}"
     ]
     for r in rows:
         split = [r.step_seconds, r.prefill_seconds, r.seconds - r.step_seconds - r.prefill_seconds]
         split_txt = "/".join(f"{100 * x / max(r.seconds, 1e-9):.0f}" for x in split)
+        wall, dev = _mean_ms(r.step_ms_by_shape), _mean_ms(r.device_ms_by_shape)
+        timed = "-" if wall is None or dev is None else f"{wall:.2f}/{dev:.2f}"
         out.append(
             f"{r.config:<40}{r.concurrency:>5}{r.tokens_per_s:>9.1f}{r.accept_length:>6.2f}{r.speedup:>8.2f}x"
             f"{r.mean_width:>7.2f}{r.draft_ms_per_step:>10.1f}{r.verify_ms_per_step:>10.1f}{r.overhead_ms_per_step:>9.1f}"
             f"{r.rounds:>7}{f'{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}':>16}{split_txt:>28}"
-            f"{1e3 * r.gc_seconds:>8.0f}"
+            f"{1e3 * r.gc_seconds:>8.0f}{timed:>13}"
         )
     return "\n".join(out)
 
