@@ -835,9 +835,7 @@ class LLMEngine:
         if not overlapped:  # (the overlap's work is not host time of the step: it runs while the device does)
             s.commit_s += t_obs - t_c
             s.host_s += t_obs - t_c
-        if p.left:
-            if self._pending is not p:  # (kept for the rest)
-                self._pending = p
+        if p.left:  # (a part: of the pending step, which keeps the rest)
             return
         if self._pending is p:
             self._pending = None

@@ -384,46 +384,12 @@ class Runner(Protocol):
     def release(self, req) -> None: ...
 
 
-class OverlapClock:
-    """Runs a step's overlap work (:meth:`run`, once the step is launched) and says, after the step's
-    read-back, how much of the step's wall that work took (:meth:`seconds`): on CUDA, the device time
-    from the step's last kernel to the overlap's last (one stream runs them in order, so the read-back
-    waits for both; a device idle while the host was still busy counts too); elsewhere the overlap's
-    host time (nothing runs meanwhile). Why: the planner's step costs must be the step's own. With a
-    prefill's device time in them, the cold start's drafting steps at 64 requests on the H200 cost
-    4.85 ms against 3.89 ms for the same steps later, and the planner stopped drafting where the
-    fixed width served 1.05x (docs/benchmarks.md, twenty-fourth session)."""
-
-    def __init__(self, device: torch.device):
-        cuda = torch.device(device).type == "cuda"
-        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
-        self._host: float | None = 0.0  # the overlap's host time; None: read the events
-
-    def run(self, overlap) -> None:
-        self._host = 0.0
-        if overlap is None:
-            return
-        if self._events is None:
-            t = time.perf_counter()
-            overlap()
-            self._host = time.perf_counter() - t
-            return
-        self._events[0].record()
-        overlap()
-        self._events[1].record()
-        self._host = None
-
-    def seconds(self) -> float:
-        if self._host is not None or self._events is None:
-            return self._host or 0.0
-        return self._events[0].elapsed_time(self._events[1]) / 1e3
-
-
 class GraphTimer:
-    """A step's graphs timed on the device (CUDA events around the replays, read after the step's
-    read-back), else on the host (the CPU runs them in order). Why: the live step's wall at 128
-    requests ran 1-9% over the same graph replayed alone, beside the target alone's engine, and the
-    wall cannot say whether the device or the host made the difference (fifty-first session)."""
+    """Work timed on the device (CUDA events around it, read after the step's read-back), else on the
+    host (the CPU runs it in order): a step's graphs, or (:class:`OverlapClock`) its overlap work. Why
+    the graphs: the live step's wall at 128 requests ran 1-9% over the same graph replayed alone, beside
+    the target alone's engine, and the wall cannot say whether the device or the host made the difference
+    (fifty-first session)."""
 
     def __init__(self, device: torch.device):
         cuda = torch.device(device).type == "cuda"
@@ -445,6 +411,31 @@ class GraphTimer:
     def seconds(self) -> float:
         """After the step's read-back (the events have run)."""
         return self._t if self._events is None else self._events[0].elapsed_time(self._events[1]) / 1e3
+
+
+class OverlapClock:
+    """Runs a step's overlap work (:meth:`run`, once the step is launched) and says, after the step's
+    read-back, how much of the step's wall that work took (:meth:`seconds`): on CUDA, the device time
+    from the step's last kernel to the overlap's last (one stream runs them in order, so the read-back
+    waits for both; a device idle while the host was still busy counts too); elsewhere the overlap's
+    host time (nothing runs meanwhile). Why: the planner's step costs must be the step's own. With a
+    prefill's device time in them, the cold start's drafting steps at 64 requests on the H200 cost
+    4.85 ms against 3.89 ms for the same steps later, and the planner stopped drafting where the
+    fixed width served 1.05x (docs/benchmarks.md, twenty-fourth session)."""
+
+    def __init__(self, device: torch.device):
+        self._timer = GraphTimer(device)
+        self._ran = False
+
+    def run(self, overlap) -> None:
+        self._ran = overlap is not None
+        if overlap is not None:
+            self._timer.start()
+            overlap()
+            self._timer.stop()
+
+    def seconds(self) -> float:
+        return self._timer.seconds() if self._ran else 0.0
 
 
 def finish_step(rows: torch.Tensor, t0: float, t1: float, clock: OverlapClock | None = None) -> StepOutput:
