@@ -217,6 +217,38 @@ def test_engine_speed_times_the_static_runners_graphs(monkeypatch):
         assert 0 < dev <= wall + 0.01
 
 
+def test_engine_speed_overlap_ab_runs_each_row_with_the_schedule_off_and_on(monkeypatch):
+    """``overlap_ab``: every row twice in one run, its engine's overlap schedule off ("no-overlap") and on, each
+    speedup against the target with the same schedule (the static runner defers its commits where on)."""
+    import torch
+    from targets import build
+    from test_speculative import random_draft
+    from dflash2.benchmark import engine_speed as es
+    from dflash2.engine.engine import LLMEngine
+    from dflash2.target import TargetModel
+
+    t = TargetModel(build("llama"), layer_ids=[0, 2])
+    monkeypatch.setattr(es, "render", lambda tok, p: torch.randint(3, 96, (6,)).tolist())
+    row, seen = [""], {}
+    measure, defers = es.measure, LLMEngine._defers
+    monkeypatch.setattr(es, "measure", lambda *a, **kw: row.__setitem__(0, a[8]) or measure(*a, **kw))
+    monkeypatch.setattr(
+        LLMEngine, "_defers", lambda self, reqs: seen.setdefault(row[0], set()).add(d := defers(self, reqs)) or d
+    )
+    rows = es.run(
+        t, random_draft(t).draft, ["a", "b", "c"], [3], ["block"], [2], 5, 1.0, requests_per_slot=2, slots=2,
+        warmup=False, overlap_ab=True, engine_kw={"runner": "static"},
+    )  # fmt: skip
+    names = ["target no-overlap", "dflash2 w=3 block no-overlap", "target", "dflash2 w=3 block"]
+    assert [r.config for r in rows] == names
+    assert seen == {n: {"no-overlap" not in n} for n in names}
+    by = {r.config: r for r in rows}
+    for sfx in (" no-overlap", ""):
+        assert by["dflash2 w=3 block" + sfx].speedup == pytest.approx(
+            by["dflash2 w=3 block" + sfx].tokens_per_s / by["target" + sfx].tokens_per_s
+        )
+
+
 def test_widths_between_serve_the_wider_engines_only(monkeypatch):
     """``--speed-widths 3,5 --planner-widths 3``: the width-3 engine runs plain auto (3 is not between 1 and 3),
     the width-5 one auto with a width-3 verify among its choices, and no "+w3" row is made for width 3."""

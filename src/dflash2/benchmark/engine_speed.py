@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..engine.engine import EngineConfig, EngineStats, LLMEngine
@@ -113,6 +113,7 @@ def measure(
     engine_kw: dict | None = None,
     shared: SharedEngines | None = None,
     seed: int = 0,
+    disable_overlap: bool | None = None,
 ) -> ConcurrencyRow:
     """One config at one concurrency (request ``i`` sampled with seed ``seed + i``). ``engines``: engines
     kept across calls, one per config and concurrency, so the warm-up pass and the timed rounds run on the
@@ -120,7 +121,8 @@ def measure(
     ``shared`` (instead of ``engines``): one engine per runner for every concurrency up to ``shared.slots``
     (built with that many running requests, each call capped at its ``concurrency``), either temperature
     (both kinds of step graph) and every planner row (built with ``shared.build_planner``'s graphs, the
-    row's planner swapped in)."""
+    row's planner swapped in). ``disable_overlap``: the row's overlap schedule off (True) or on (False),
+    set on its engine for the row (None: as the engine was built)."""
     row_planner = planner
     if shared is not None:
         engines, key = shared.engines, (width if draft is not None else 1, block, attention_backend)
@@ -164,6 +166,8 @@ def measure(
     if concurrency > eng.cfg.max_running_requests:
         raise ValueError(f"concurrency {concurrency} above the engine's {eng.cfg.max_running_requests} slots")
     eng.scheduler.max_running = concurrency
+    if disable_overlap is not None:  # (read each step: the engine is idle between rows)
+        eng.cfg = replace(eng.cfg, disable_overlap_schedule=disable_overlap)
     eng.stats = EngineStats(accepted_by_position=[0] * max(eng.width - 1, 0))
     if hasattr(eng.runner, "timer") and eng.runner.timer is None:  # every row's graphs timed alike
         eng.runner.timer = GraphTimer(eng.target.device)
@@ -295,6 +299,7 @@ def run(
     planner_widths: str | None = None,
     slots: int | None = None,
     shared: SharedEngines | None = None,
+    overlap_ab: bool = False,
 ) -> list[ConcurrencyRow]:
     """Every config at every concurrency, ``rounds`` times. Round k runs the configs in an order
     rotated by k (target included), so no config is always the first after a change: on a lent,
@@ -317,7 +322,8 @@ def run(
     kept in ``shared`` (pass it to another call, at another temperature, to keep them there too),
     the planners restarted at each level. Why: building the engines (graph capture) took most of a
     level's time on the H200, each level and row building its own (docs/benchmarks.md, fortieth
-    session)."""
+    session). ``overlap_ab``: every row twice, the overlap schedule off ("no-overlap") and on, each against
+    the target with the same schedule, in one run (on one warm machine: the A/B two calls could not give)."""
     if slots is not None and slots < max(concurrencies):
         raise ValueError(f"slots {slots} below the largest concurrency {max(concurrencies)}")
     ids = [render(target.tokenizer, p) for p in prompts]
@@ -333,13 +339,14 @@ def run(
         sfx += " synthetic" if (engine_kw or {}).get("synthetic_acceptance") else ""
         planners = [("off", "")] + [("auto", " adaptive")] * adaptive  # (measure's planner, the row's label)
         planners += [(f"auto:{planner_widths}", f" adaptive+w{planner_widths}")] * bool(adaptive and planner_widths)
-        configs += [("target" + sfx, None, 1, False, "off", a)] + [
-            (f"dflash2 w={w} {v}{label}{sfx}", draft, w, v == "block", p, a)
-            for p, label in planners
-            for w in widths
-            for v in verifiers
-            if ":" not in p or _planner_at(p, w)[1]  # (no row of widths between where none lie under w)
-        ]
+        for o, osfx in [(True, " no-overlap"), (False, "")] if overlap_ab else [(None, "")]:
+            configs += [("target" + sfx + osfx, None, 1, False, "off", a, o)] + [
+                (f"dflash2 w={w} {v}{label}{sfx}{osfx}", draft, w, v == "block", p, a, o)
+                for p, label in planners
+                for w in widths
+                for v in verifiers
+                if ":" not in p or _planner_at(p, w)[1]  # (no row of widths between where none lie under w)
+            ]
     rows, slot, level_s = [], 0, 0.0
     try:
         for c in concurrencies:
@@ -354,11 +361,11 @@ def run(
             if shared is not None:  # each level starts with planners that know their start-up profile only
                 shared.restart()
 
-            def one(name: str, d, w: int, block: bool, p: str, a: str, k: int = 0) -> ConcurrencyRow:
+            def one(name: str, d, w: int, block: bool, p: str, a: str, o, k: int = 0) -> ConcurrencyRow:
                 return measure(
                     target, d, ids, w, block, c, max_new_tokens, temperature, name, requests_per_slot,
                     engines=engines, planner=p, attention_backend=a, engine_kw=engine_kw, shared=shared,
-                    seed=k * ROUND_SEEDS,
+                    seed=k * ROUND_SEEDS, disable_overlap=o,
                 )  # fmt: skip
 
             # An untimed pass of every config at this level first: on the H200 the first run of each
@@ -375,10 +382,10 @@ def run(
                     row.round_slots, slot = [slot], slot + 1
                     done[name].append(row)
             level = [pool_rounds(done[name]) for name, *_ in configs]
-            base = {a: r for r, (_, d, *_, a) in zip(level, configs) if d is None}
-            for r, (_, d, *_, a) in zip(level, configs):
+            base = {(a, o): r for r, (_, d, *_, a, o) in zip(level, configs) if d is None}
+            for r, (_, d, *_, a, o) in zip(level, configs):
                 if d is not None:
-                    r.speedup = r.tokens_per_s / base[a].tokens_per_s
+                    r.speedup = r.tokens_per_s / base[a, o].tokens_per_s
             rows += level
             level_s = time.time() - t_level
             if on_level is not None:
