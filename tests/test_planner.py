@@ -727,6 +727,24 @@ def test_retirement_reads_the_batch_gain_averaged_over_its_checks():
     assert not check(1, 1.07, ["x"]) and check(1, 0.99, ["x"])  # one request: each reading on its own
 
 
+def test_retirement_prices_width_one_where_the_chooser_holds_the_batch_there():
+    """A drafting batch held at width 1 (its last step ran there, and no drafting width beats width 1 by the
+    hysteresis) reads the target alone's step over width 1's as its gain: it retires, though the full width
+    priced against the target alone is above break-even; a batch at the full width, or at width 1 where the
+    full width beats it by the hysteresis, reads the full width's gain as before."""
+    rids = ["a", "b", "c", "d"]
+
+    def retires(current: int, full_s: float) -> bool:
+        p = Planner(W, PlannerConfig(mode="auto", probe_every=2, retire_every=2))
+        p.costs[(4, 0)], p.costs[(4, 1)], p.costs[(4, W)] = 0.0099, 0.010, full_s  # prior 0.9: 4.0951 tokens
+        p.current, p.steps = current, 2
+        return p.retire(4, rids)
+
+    # full width 0.0392 s: 104.5 tokens/s against width 1's 100 (within 5%), 1.034x the target alone's 101
+    assert retires(1, 0.0392) and not retires(W, 0.0392)
+    assert not retires(1, 0.0370)  # the full width 10.7% over width 1: the chooser leaves width 1
+
+
 def test_admission_keeps_drafting_to_break_even_and_starts_it_by_the_hysteresis():
     """A request admitted while the load was last admitted drafting drafts down to break-even; one admitted
     after an answer not to draft, or after a retirement, drafts only past the hysteresis (1.05)."""

@@ -731,6 +731,7 @@ class Planner:
         gain = self.drafting_gain(bucket, rids=rids)
         if gain is None:
             return False
+        gain = min(gain, self._held_at_one(bucket, rids) or gain)
         if not self._plain_known(bucket):  # first measure the one-token step here (nothing averaged till then)
             if gain < 1:
                 self.want_plain.add(bucket)
@@ -747,6 +748,26 @@ class Planner:
         self._admitting = False  # (so drafting is admitted again by the hysteresis: speculate_new)
         self._note("retire", bucket, gain)
         return True
+
+    def _held_at_one(self, bucket: int, rids: list[str] | None) -> float | None:
+        """The gain of drafting on where :meth:`_choose` holds the batch at width 1 (its last step ran there
+        and no drafting width beats width 1 by the hysteresis): the target alone's step over width 1's, which
+        pays the drafter's upkeep (below 1); None where the batch would draft wider. Why: retirement priced
+        the best drafting width, near break-even, while the batch ran width 1 at its upkeep: on the H100 at 32
+        held-out requests, T=1, width 1 (1.83-1.87 ms) and width 5 (3.4 ms at AL 1.9) were within the
+        hysteresis, the batch held width 1 for ~1,400 steps of a round where the target alone's step was
+        1.74 ms, and auto served 0.96x of the target alone (fixed w5: 0.98x; fifty-second session)."""
+        if self.current != 1 or not rids:
+            return None
+        cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {1, self.width})}
+        if any(c is None for c in cost.values()):
+            return None
+        tokens = self.expected_by_width(rids)
+        rate = {w: tokens[w - 1] / c for w, c in cost.items()}
+        if max(rate[w] for w in self._counted(rate, rate[1], bucket) if w > 1) > rate[1] * (1 + self.cfg.hysteresis):
+            return None
+        plain, one = self.cost(bucket, 0, lifetime=True), self.cost(bucket, 1, lifetime=True)
+        return None if plain is None or one is None else plain / one
 
     def _note(self, kind: str, bucket: int, gain: float | None, keep: int = 16) -> None:
         """One entry of :attr:`decisions`: the step, the decision, and what priced it at ``bucket``."""
