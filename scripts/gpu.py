@@ -2043,7 +2043,7 @@ def speed_rows(args, target, draft, prompts, temp: float, keep, shared, **kw):
         deadline=T_START + args.deadline_s,
         slots=max(concs) if args.shared_engines else None,
         shared=shared,
-        overlap_ab=args.overlap_ab,
+        schedules=args.schedules,
         **{**kw, "engine_kw": {"sampler_backend": args.engine_sampler, **kw.get("engine_kw", {})}},
     )
 
@@ -2303,9 +2303,9 @@ def main() -> None:
         help="engine: every engine commits each step before the next launches (A/B against the default)",
     )
     ap.add_argument(
-        "--overlap-ab",
-        action="store_true",
-        help="engine: every row twice in the call, the overlap schedule off ('no-overlap') and on",
+        "--schedules",
+        default="",
+        help="engine: every row once per schedule in the call, e.g. no-overlap,overlap,async (engine_speed.SCHEDULES)",
     )
     ap.add_argument("--prefill-packed", action="store_true", help="shape: packed prefill vs each prompt alone, timed")
     ap.add_argument("--prefill-tokens", default=None, help="graph_runner.PREFILL_TOKENS for this call")

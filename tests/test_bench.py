@@ -217,35 +217,44 @@ def test_engine_speed_times_the_static_runners_graphs(monkeypatch):
         assert 0 < dev <= wall + 0.01
 
 
-def test_engine_speed_overlap_ab_runs_each_row_with_the_schedule_off_and_on(monkeypatch):
-    """``overlap_ab``: every row twice in one run, its engine's overlap schedule off ("no-overlap") and on, each
-    speedup against the target with the same schedule (the static runner defers its commits where on)."""
+def test_engine_speed_schedules_run_each_row_under_each_schedule(monkeypatch):
+    """``schedules``: every row once per schedule in one run (the overlap schedule off, on, and async
+    scheduling), each speedup against the target under the same schedule; the static runner defers its
+    commits where the overlap schedule is on, and launches ahead under async scheduling only."""
     import torch
     from targets import build
     from test_speculative import random_draft
     from dflash2.benchmark import engine_speed as es
     from dflash2.engine.engine import LLMEngine
+    from dflash2.engine.graph_runner import GraphModelRunner
     from dflash2.target import TargetModel
 
     t = TargetModel(build("llama"), layer_ids=[0, 2])
     monkeypatch.setattr(es, "render", lambda tok, p: torch.randint(3, 96, (6,)).tolist())
-    row, seen = [""], {}
-    measure, defers = es.measure, LLMEngine._defers
+    row, seen, early = [""], {}, {}
+    measure, defers, launch = es.measure, LLMEngine._defers, GraphModelRunner.launch
     monkeypatch.setattr(es, "measure", lambda *a, **kw: row.__setitem__(0, a[8]) or measure(*a, **kw))
     monkeypatch.setattr(
         LLMEngine, "_defers", lambda self, reqs: seen.setdefault(row[0], set()).add(d := defers(self, reqs)) or d
     )
+
+    def counted(self, *a, ahead=False, **kw):
+        early[row[0]] = early.get(row[0], 0) + ahead
+        return launch(self, *a, ahead=ahead, **kw)
+
+    monkeypatch.setattr(GraphModelRunner, "launch", counted)
     rows = es.run(
         t, random_draft(t).draft, ["a", "b", "c"], [3], ["block"], [2], 5, 1.0, requests_per_slot=2, slots=2,
-        warmup=False, overlap_ab=True, engine_kw={"runner": "static"},
+        warmup=False, schedules="no-overlap,overlap,async", engine_kw={"runner": "static"},
     )  # fmt: skip
-    names = ["target no-overlap", "dflash2 w=3 block no-overlap", "target", "dflash2 w=3 block"]
+    names = [f"{c} {k}" for k in ("no-overlap", "overlap", "async") for c in ("target", "dflash2 w=3 block")]
     assert [r.config for r in rows] == names
     assert seen == {n: {"no-overlap" not in n} for n in names}
+    assert {n: early.get(n, 0) > 0 for n in names} == {n: n.endswith("async") for n in names}
     by = {r.config: r for r in rows}
-    for sfx in (" no-overlap", ""):
-        assert by["dflash2 w=3 block" + sfx].speedup == pytest.approx(
-            by["dflash2 w=3 block" + sfx].tokens_per_s / by["target" + sfx].tokens_per_s
+    for k in ("no-overlap", "overlap", "async"):
+        assert by[f"dflash2 w=3 block {k}"].speedup == pytest.approx(
+            by[f"dflash2 w=3 block {k}"].tokens_per_s / by[f"target {k}"].tokens_per_s
         )
 
 

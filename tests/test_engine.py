@@ -411,6 +411,73 @@ def test_overlap_schedule_commits_each_step_while_the_next_runs(llama, monkeypat
         assert reqs[i].output_ids == hf_greedy(t, prompts[i], reqs[i].sampling.max_new_tokens)
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_async_scheduling_launches_each_step_before_the_last_is_read_back(llama, monkeypatch, sampled):
+    """--async-scheduling: each step launched before the last one is read back (that one committed while this
+    one runs): the same tokens, finishes, logprobs and acceptance counts as the overlap schedule, greedy and
+    seeded sampled, through stop ids, finishes (a wasted row each), slot moves, preemptions (the step in flight
+    read back first) and the batches that commit at once (min_tokens, logprobs); most steps launched ahead."""
+    t, d = llama
+    prompts = _prompts(9, seed=5)
+    g = hf_greedy(t, prompts[1], 33)
+    stop = g[min(5, len(g) - 1)]
+    # attention prefixes a few positions apart, so one that misses the step in flight's block reads short
+    monkeypatch.setattr(graph_runner, "KV_BUCKETS_EAGER", tuple(range(8, 128, 4)))
+
+    def run(on: bool):
+        eng = LLMEngine(
+            t,
+            d,
+            EngineConfig(
+                max_running_requests=3,
+                num_draft_tokens=5,
+                context_length=128,
+                max_total_tokens=192,
+                page_size=8,
+                runner="static",
+                sampler_backend="sort",
+                async_scheduling=on,
+            ),
+        )
+        early = {"n": 0}
+        real = eng.runner.launch
+
+        def counted(*a, ahead=False, **kw):
+            early["n"] += ahead
+            return real(*a, ahead=ahead, **kw)
+
+        monkeypatch.setattr(eng.runner, "launch", counted)
+        reqs = []
+        for i, p in enumerate(prompts):
+            hot = sampled and i % 2 == 1
+            sp = SamplingParams(
+                temperature=1.0 if hot else 0.0,
+                top_p=0.9 if hot else 1.0,
+                max_new_tokens=(40, 33, 45)[i % 3],
+                seed=i,
+                stop_token_ids=(stop,) if i == 1 else (),
+                min_tokens=10 if i == 4 else 0,
+                logprobs=2 if i == 6 else None,
+            )
+            reqs.append(eng.add_request(Request(p.tolist(), sp)))
+        eng.run_until_done()
+        assert eng._pending is None and eng._inflight is None and eng.pool_usage()[0] == 0
+        return eng, reqs, early["n"]
+
+    first_eng, first, n_first = run(False)
+    eng, reqs, n = run(True)
+    assert n_first == 0 and n > eng.stats.steps // 3 and eng.stats.preemptions > 0
+    for a, b in zip(first, reqs):
+        assert (b.output_ids, b.finish_reason, b.accept_hist) == (a.output_ids, a.finish_reason, a.accept_hist)
+        # (float32 rounding: a finish's wasted row changes the batch of the step after it)
+        assert b.logprobs == pytest.approx(a.logprobs, rel=1e-5)
+        assert [[i for i, _ in x] for x in b.top_logprobs] == [[i for i, _ in x] for x in a.top_logprobs]
+    s, s0 = eng.stats, first_eng.stats
+    assert (s.verify_steps, s.accepted_by_position) == (s0.verify_steps, s0.accepted_by_position)
+    for i in (0, 2, 8):  # greedy, no stop ids: the target's own greedy output
+        assert reqs[i].output_ids == hf_greedy(t, prompts[i], reqs[i].sampling.max_new_tokens)
+
+
 def test_a_deferred_row_is_committed_once(llama):
     """A step's rows asked for again (a request whose row went in early, e.g. one with stop strings, then
     preempted) are committed once: its tokens appended once, its counts once."""

@@ -195,7 +195,8 @@ def test_flag_value_forms():
 
 
 def test_overlap_schedule_flag_reaches_the_engine():
-    """SGLang's --disable-overlap-schedule: each step committed before the next launches (default: overlapped)."""
+    """SGLang's --disable-overlap-schedule: each step committed before the next launches (default: overlapped);
+    vLLM's --async-scheduling: each step launched before the last is read back (default: off)."""
     from targets import build
     from dflash2.cli import build_parser
     from dflash2.server.launch import engine_config
@@ -205,6 +206,8 @@ def test_overlap_schedule_flag_reaches_the_engine():
     parse = lambda *a: build_parser().parse_args(["serve", "--context-length", "128", *a])
     assert not engine_config(parse(), t, None, 1).disable_overlap_schedule
     assert engine_config(parse("--disable-overlap-schedule"), t, None, 1).disable_overlap_schedule
+    assert not engine_config(parse(), t, None, 1).async_scheduling
+    assert engine_config(parse("--async-scheduling"), t, None, 1).async_scheduling
 
 
 def _client(url):

@@ -66,6 +66,14 @@ class ConcurrencyRow:
     overlap_ms_per_step: float = 0.0  # what the prefills run inside steps added to a step's wall
 
 
+# ``run(schedules=...)``: the engine fields each schedule sets on a row's engine
+SCHEDULES = {
+    "no-overlap": {"disable_overlap_schedule": True, "async_scheduling": False},
+    "overlap": {"disable_overlap_schedule": False, "async_scheduling": False},
+    "async": {"disable_overlap_schedule": False, "async_scheduling": True},
+}
+
+
 def build_planner(adaptive: bool, planner_widths: str | None) -> str:
     """The planner that :func:`run`'s shared engines are built with: graphs for every planner row."""
     if not adaptive:
@@ -113,7 +121,7 @@ def measure(
     engine_kw: dict | None = None,
     shared: SharedEngines | None = None,
     seed: int = 0,
-    disable_overlap: bool | None = None,
+    schedule: dict | None = None,
 ) -> ConcurrencyRow:
     """One config at one concurrency (request ``i`` sampled with seed ``seed + i``). ``engines``: engines
     kept across calls, one per config and concurrency, so the warm-up pass and the timed rounds run on the
@@ -121,8 +129,8 @@ def measure(
     ``shared`` (instead of ``engines``): one engine per runner for every concurrency up to ``shared.slots``
     (built with that many running requests, each call capped at its ``concurrency``), either temperature
     (both kinds of step graph) and every planner row (built with ``shared.build_planner``'s graphs, the
-    row's planner swapped in). ``disable_overlap``: the row's overlap schedule off (True) or on (False),
-    set on its engine for the row (None: as the engine was built)."""
+    row's planner swapped in). ``schedule``: :class:`EngineConfig` fields read each step (the overlap
+    schedule, async scheduling) set on its engine for the row (None: as the engine was built)."""
     row_planner = planner
     if shared is not None:
         engines, key = shared.engines, (width if draft is not None else 1, block, attention_backend)
@@ -166,8 +174,8 @@ def measure(
     if concurrency > eng.cfg.max_running_requests:
         raise ValueError(f"concurrency {concurrency} above the engine's {eng.cfg.max_running_requests} slots")
     eng.scheduler.max_running = concurrency
-    if disable_overlap is not None:  # (read each step: the engine is idle between rows)
-        eng.cfg = replace(eng.cfg, disable_overlap_schedule=disable_overlap)
+    if schedule:  # (read each step: the engine is idle between rows)
+        eng.cfg = replace(eng.cfg, **schedule)
     eng.stats = EngineStats(accepted_by_position=[0] * max(eng.width - 1, 0))
     if hasattr(eng.runner, "timer") and eng.runner.timer is None:  # every row's graphs timed alike
         eng.runner.timer = GraphTimer(eng.target.device)
@@ -299,7 +307,7 @@ def run(
     planner_widths: str | None = None,
     slots: int | None = None,
     shared: SharedEngines | None = None,
-    overlap_ab: bool = False,
+    schedules: str = "",
 ) -> list[ConcurrencyRow]:
     """Every config at every concurrency, ``rounds`` times. Round k runs the configs in an order
     rotated by k (target included), so no config is always the first after a change: on a lent,
@@ -322,8 +330,9 @@ def run(
     kept in ``shared`` (pass it to another call, at another temperature, to keep them there too),
     the planners restarted at each level. Why: building the engines (graph capture) took most of a
     level's time on the H200, each level and row building its own (docs/benchmarks.md, fortieth
-    session). ``overlap_ab``: every row twice, the overlap schedule off ("no-overlap") and on, each against
-    the target with the same schedule, in one run (on one warm machine: the A/B two calls could not give)."""
+    session). ``schedules``: e.g. "no-overlap,overlap,async": every row once per schedule (:data:`SCHEDULES`),
+    each against the target with the same schedule, in one run (on one warm machine: an A/B in two calls
+    compares machines as much as schedules)."""
     if slots is not None and slots < max(concurrencies):
         raise ValueError(f"slots {slots} below the largest concurrency {max(concurrencies)}")
     ids = [render(target.tokenizer, p) for p in prompts]
@@ -339,7 +348,7 @@ def run(
         sfx += " synthetic" if (engine_kw or {}).get("synthetic_acceptance") else ""
         planners = [("off", "")] + [("auto", " adaptive")] * adaptive  # (measure's planner, the row's label)
         planners += [(f"auto:{planner_widths}", f" adaptive+w{planner_widths}")] * bool(adaptive and planner_widths)
-        for o, osfx in [(True, " no-overlap"), (False, "")] if overlap_ab else [(None, "")]:
+        for o, osfx in [(SCHEDULES[k], f" {k}") for k in schedules.split(",")] if schedules else [(None, "")]:
             configs += [("target" + sfx + osfx, None, 1, False, "off", a, o)] + [
                 (f"dflash2 w={w} {v}{label}{sfx}{osfx}", draft, w, v == "block", p, a, o)
                 for p, label in planners
@@ -365,7 +374,7 @@ def run(
                 return measure(
                     target, d, ids, w, block, c, max_new_tokens, temperature, name, requests_per_slot,
                     engines=engines, planner=p, attention_backend=a, engine_kw=engine_kw, shared=shared,
-                    seed=k * ROUND_SEEDS, disable_overlap=o,
+                    seed=k * ROUND_SEEDS, schedule=o,
                 )  # fmt: skip
 
             # An untimed pass of every config at this level first: on the H200 the first run of each
@@ -382,10 +391,10 @@ def run(
                     row.round_slots, slot = [slot], slot + 1
                     done[name].append(row)
             level = [pool_rounds(done[name]) for name, *_ in configs]
-            base = {(a, o): r for r, (_, d, *_, a, o) in zip(level, configs) if d is None}
+            base = {(a, str(o)): r for r, (_, d, *_, a, o) in zip(level, configs) if d is None}
             for r, (_, d, *_, a, o) in zip(level, configs):
                 if d is not None:
-                    r.speedup = r.tokens_per_s / base[a, o].tokens_per_s
+                    r.speedup = r.tokens_per_s / base[a, str(o)].tokens_per_s
             rows += level
             level_s = time.time() - t_level
             if on_level is not None:

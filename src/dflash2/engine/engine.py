@@ -25,7 +25,7 @@ import torch
 
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
-from .graph_runner import GraphModelRunner, cuda_graphs_apply, static_bytes, static_supported
+from .graph_runner import GraphModelRunner, Launched, cuda_graphs_apply, static_bytes, static_supported
 from .model_runner import ModelRunner, tune_cpu_malloc
 from .planner import Planner, PlannerConfig, cached_profile, parse_schedule, parse_widths
 from .request import Request, prefill_ids
@@ -110,6 +110,11 @@ class EngineConfig:
     # the H100 a step's wall was 1.5x its graphs' device time, the commit ~0.3 ms of the gap (fifty-first
     # session)
     disable_overlap_schedule: bool = False
+    # vLLM's --async-scheduling: the overlap schedule one step deeper, where it applies: step N + 1 is launched
+    # before step N is read back (its batch the running requests as the host knows them, so a request that N
+    # ends runs one wasted row; KV held a block further ahead), and N is read back and committed while N + 1
+    # runs: the device need not wait for the host between steps. Off by default until measured on a GPU
+    async_scheduling: bool = False
 
     def admits(self, sampling: SamplingParams) -> bool:
         """Whether a request of this kind (greedy or sampled) has step graphs here (``graph_sampling``)."""
@@ -191,6 +196,18 @@ class LatencyHistogram:
     def observe(self, seconds: float) -> None:
         self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         self.total += seconds
+
+
+@dataclass
+class InFlight:
+    """A decode step launched ahead of the last one's read-back (async scheduling), not read back yet."""
+
+    launched: Launched
+    reqs: list[Request]
+    width: int
+    drafting: bool
+    plain: bool
+    bucket: int
 
 
 @dataclass
@@ -283,6 +300,7 @@ class LLMEngine:
         self._admit_ahead: tuple[int, bool] | None = None
         self._drafted_at = 0  # the bucket of the last step where every request drafted (0: none since a plain one)
         self._pending: PendingStep | None = None  # the last step, read back, its commit deferred (overlap schedule)
+        self._inflight: InFlight | None = None  # the last step, launched, not read back (async scheduling)
         # the bucket where the check made during this step says its drafting requests stop for good
         # (Planner.retire, acted on at the next step there)
         self._retire_ahead: int | None = None
@@ -503,7 +521,7 @@ class LLMEngine:
                     self.scheduler.finish(req)
             self.prefilling.clear()
             self._due.clear()
-            self._pending = None
+            self._pending = self._inflight = None
 
     def health(self) -> str | None:
         """None when the engine is stepping, else why not."""
@@ -522,7 +540,12 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return bool(
-            self.scheduler.waiting or self.scheduler.running or self._aborts or self._inbox or self._pending is not None
+            self.scheduler.waiting
+            or self.scheduler.running
+            or self._aborts
+            or self._inbox
+            or self._pending is not None
+            or self._inflight is not None
         )
 
     def run_until_done(self) -> None:
@@ -619,9 +642,12 @@ class LLMEngine:
         if reqs:
             self._decode(reqs)
         else:
+            self._drain()
             if self._pending is not None:
                 self._settle(self._pending)
             self._prefill_some(defer=True)
+        if self._inflight is not None and not self.scheduler.running:  # (its rows all of finished requests)
+            self._drain()
         self._emit_first_tokens()
 
     def _admit(self) -> None:
@@ -700,8 +726,11 @@ class LLMEngine:
     def _decode_batch(self) -> list[Request]:
         """The running requests whose prompt is in, once KV room for their next block is reserved
         (preempting the newest when the pool is short)."""
+        f = self._inflight
+        if f is not None and not self.scheduler.can_reserve(f.width):  # (a preemption reads its tokens first)
+            self._drain()
         with self.lock:
-            preempted = self.scheduler.reserve_step()
+            preempted = self.scheduler.reserve_step(self._inflight.width if self._inflight is not None else 0)
         if preempted and self._pending is not None:  # (their tokens into their prompt for the re-prefill)
             self._settle(self._pending, [b for b, r in enumerate(self._pending.reqs) if r in preempted])
         for req in preempted:
@@ -722,6 +751,9 @@ class LLMEngine:
         planner's counts: at once, or (the overlap schedule, :meth:`_defers`) inside the next step."""
         prev, self._pending = self._pending, None
         defer = self._defers(reqs)
+        early = defer and self._launches_ahead()  # async scheduling: launched before the last step's read-back
+        if not early:
+            self._drain()
         if prev is not None and not defer:  # this step reads its requests' host tokens: the last one's first
             self._settle(prev)
             prev = None
@@ -744,8 +776,9 @@ class LLMEngine:
         def overlap() -> None:
             # host work while the device runs the step: the last step's commit, the next step's draws, the
             # last step's counts, the next step's width, a prefill
-            if prev is not None:
-                self._settle(prev, overlapped=True)
+            for p in (prev, collected):
+                if p is not None:
+                    self._settle(p, overlapped=True)
             if not greedy:
                 self._draws_ahead = draw_ahead(reqs, G, self.target.device)
             self.planner.fold()
@@ -756,12 +789,25 @@ class LLMEngine:
             self._admit_ahead = self._price_admission()
             self._prefill_some(defer=True)
 
-        mix = self._mixed_chunk()
+        collected: PendingStep | None = None
+        mix = None if early else self._mixed_chunk()
         trim = partial(self.planner.trim, bucket, width) if drafting and width > 2 and self.planner.trims else None
         try:
+            if early:  # this step queued behind the last, which is read back and committed while this one runs
+                launched = self._graphs().launch(reqs, sampling, width, ahead=True)
+                f, self._inflight = self._inflight, InFlight(launched, reqs, width, drafting, plain, bucket)
+                collected = None if f is None else self._collect(f)
+                overlap()
+                self.stats.host_s += t_run - t0
+                self.stats.plan_s += t_plan - t0
+                self.stats.draw_s += t_run - t_plan
+                return
             out = self.runner.step(reqs, sampling, width, overlap=overlap, prefill=mix, trim=trim)
         except Exception as e:  # a failing batch fails its requests, not the server
             log.exception("speculative step failed")
+            if early and self._inflight is not None and self._inflight.reqs is not reqs:
+                self._drain()  # (the step before: read back whole, its tokens first)
+            self._inflight = None
             if prev is not None and prev.left:  # (the last step's tokens were read back whole: theirs first)
                 self._settle(prev)
             with self.lock:
@@ -788,6 +834,35 @@ class LLMEngine:
             self._pending = step
         else:
             self._settle(step, t0=t0)
+
+    def _launches_ahead(self) -> bool:
+        """Whether this step may be launched before the last one is read back (async scheduling): on, and every
+        slot's next two blocks within its buffer (the host's lengths lag the step in flight by one block)."""
+        runner = self.runner
+        if not (self.cfg.async_scheduling and isinstance(runner, GraphModelRunner)):
+            return False
+        return max(r.num_committed for r in runner.occupant) + 2 * self.width <= runner.max_len
+
+    def _graphs(self) -> GraphModelRunner:
+        """The runner, under async scheduling (:meth:`_launches_ahead`: the graph runner)."""
+        assert isinstance(self.runner, GraphModelRunner)
+        return self.runner
+
+    def _collect(self, f: InFlight) -> PendingStep:
+        """The step in flight read back, to commit: the rows of requests still running (one that the step
+        before ended ran a wasted row), counted."""
+        out = self._graphs().collect(f.launched)
+        live = [b for b, r in enumerate(f.reqs) if not r.finished]
+        self._count(out, f.width, live)
+        # its cost to the planner: its graphs' device time (launched ahead, the host's work between steps is
+        # off the device's path)
+        return PendingStep(f.reqs, out, f.width, f.drafting, f.plain, f.bucket, out.device_s or 0.0, live)
+
+    def _drain(self) -> None:
+        """The step in flight (async scheduling), if any, read back and committed."""
+        f, self._inflight = self._inflight, None
+        if f is not None:
+            self._settle(self._collect(f))
 
     def _defers(self, reqs: list[Request]) -> bool:
         """Whether this step's commit may wait for the next step's launch (the overlap schedule): the runner
@@ -894,19 +969,20 @@ class LLMEngine:
         r.width_sum += width
         self._append(r, tokens)
 
-    def _count(self, out: StepOutput, width: int) -> None:
-        """The step's counts (every row's accepted drafts, its width, its times)."""
+    def _count(self, out: StepOutput, width: int, rows: list[int] | None = None) -> None:
+        """The step's counts (every row's accepted drafts, or ``rows``', its width, its times)."""
         s, hist = self.stats, [0] * (width + 1)  # (hist: the step's requests by accepted drafts)
-        for n in out.num_accepted:
+        accepted = out.num_accepted if rows is None else [out.num_accepted[b] for b in rows]
+        for n in accepted:
             hist[n] += 1
-        s.verify_steps += len(out.num_accepted)
+        s.verify_steps += len(accepted)
         beyond = 0  # requests that accepted more than i drafts: draft i + 1 accepted
         for i in range(width - 1, 0, -1):
             beyond += hist[i]
             s.accepted_by_position[i - 1] += beyond
         s.steps += 1
         s.steps_by_width[width] = s.steps_by_width.get(width, 0) + 1
-        s.drafts_proposed += (width - 1) * len(out.num_accepted)
+        s.drafts_proposed += (width - 1) * len(accepted)
         s.draft_s += out.draft_s
         s.verify_s += out.verify_s
 

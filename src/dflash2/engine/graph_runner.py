@@ -20,8 +20,10 @@ from __future__ import annotations
 import gc
 import time
 import warnings
+from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 
 from ..kernels.live_attention import use_triton
@@ -183,6 +185,22 @@ def static_bytes(target: TargetModel, draft, slots: int, max_len: int) -> int:
     return slots * max_len * per_pos
 
 
+@dataclass
+class Launched:
+    """A step whose replays are queued (:meth:`GraphModelRunner.launch`), not yet read back."""
+
+    reqs: list[Request]
+    rows: torch.Tensor  # the verifier's rows of the batch: on the device, or (ahead) a host copy behind the step
+    done: torch.cuda.Event | None  # (ahead, CUDA) recorded after the copy
+    t0: float
+    t1: float
+    timer: steps.GraphTimer | None
+    first: torch.Tensor | None  # a mixed prompt's last logits row
+    width: int | None  # where the draft's confidence cut the step: the width verified
+    confidence: np.ndarray | None
+    logits: torch.Tensor | None
+
+
 class GraphModelRunner:
     # each slot's anchor and position live on the device (the verify writes them): a step needs no host
     # token of the step before, so the engine may commit that step while this one runs (overlap schedule)
@@ -234,6 +252,11 @@ class GraphModelRunner:
         self.synthetic = steps.synthetic_rates(synthetic_acceptance, width, target.device)  # benchmarks only
         self.clock = steps.OverlapClock(target.device)
         self.timer: steps.GraphTimer | None = None  # benchmarks: each step's graphs timed (StepOutput.device_s)
+        # async scheduling (:meth:`launch` ahead): two steps in flight, each with its timer and host rows
+        self._timers = (steps.GraphTimer(target.device), steps.GraphTimer(target.device))
+        self._parity = 0
+        pin = target.device.type == "cuda"
+        self._host_rows = tuple(torch.zeros(num_slots * (width + 1), dtype=torch.long, pin_memory=pin) for _ in "ab")
         # sampled verify's truncation in the graph: "sort" (every row sorted), "triton" (sort-free
         # kernel) or "triton-fused" (the whole processing in one kernel); auto: triton-fused on CUDA (on
         # the H200 its rows cost 0.36 ms against 0.82 for the unfused kernel's seven passes at 320 rows, and
@@ -375,16 +398,16 @@ class GraphModelRunner:
                 self._capture_prefill(T)
 
     # ---- slots --------------------------------------------------------------------------------
-    def _index(self, reqs: list[Request]) -> tuple[torch.Tensor | slice, int, int]:
+    def _index(self, reqs: list[Request], slack: int = 0) -> tuple[torch.Tensor | slice, int, int]:
         """Slot of each request (a slice when they are slots ``0 .. n-1`` in order, the usual case,
         else a device index), the batch bucket that covers every occupied slot, and the buffer
-        prefix that holds every occupant's next block."""
+        prefix that holds every occupant's next block (and ``slack`` positions more: a step in flight's)."""
         slots = [r.slot for r in reqs]
         idx: torch.Tensor | slice = (
             slice(0, len(reqs)) if slots == list(range(len(reqs))) else steps.h2d(slots, torch.long, self.target.device)
         )
         n = len(self.occupant)
-        end = max(r.num_committed for r in self.occupant) + self.w
+        end = max(r.num_committed for r in self.occupant) + self.w + slack
         return idx, next(b for b in self.buckets if b >= n), next(k for k in self.kv_buckets if k >= end)
 
     def bucket(self, n: int, seating: bool = False) -> int:
@@ -768,10 +791,10 @@ class GraphModelRunner:
         others = iter(self.prefill_batch(rest) if rest else [])
         return [next(mine) if i in apart else next(others) for i in range(len(chunks))]
 
-    def _load(self, reqs: list[Request], sampling: BatchSampling | None):
+    def _load(self, reqs: list[Request], sampling: BatchSampling | None, slack: int = 0):
         """The anchor and position of each stale slot (a new request, or one moved), and every
-        request's sampling rows, into the slot buffers."""
-        idx, B, kv_len = self._index(reqs)
+        request's sampling rows, into the slot buffers (``slack``: :meth:`_index`'s)."""
+        idx, B, kv_len = self._index(reqs, slack)
         synced, owed, fresh, moved = self.synced, self.owed_host, self.stale, self.moved
         for r in reqs:  # (the calls only where there is something to write: this loop is per request, per step)
             s = r.slot
@@ -846,7 +869,26 @@ class GraphModelRunner:
         step (the verify graph over the anchors only, no draft replay). ``prefill``: a new request's
         whole prompt (:meth:`mixable`), run in the verify forward where it can be; ``prefilled`` then
         holds its last logits row. ``trim``: where :attr:`trim_widths` allow, the draft's confidence
-        per slot -> the width to verify (a full-width step without a prompt in it)."""
+        per slot -> the width to verify (a full-width step without a prompt in it). ``overlap``: host
+        work run while the device computes the step (before its read-back)."""
+        launched = self.launch(reqs, sampling, width, prefill, trim)
+        self.clock.run(overlap)  # host work while the GPU runs (replays are asynchronous on CUDA)
+        return self.collect(launched, self.clock)
+
+    @torch.no_grad()
+    def launch(
+        self,
+        reqs: list[Request],
+        sampling: BatchSampling | None,
+        width: int | None = None,
+        prefill: tuple[Request, int] | None = None,
+        trim=None,
+        ahead: bool = False,
+    ) -> Launched:
+        """:meth:`step`'s replays, queued; :meth:`collect` reads them back. ``ahead``: a step launched
+        while the last one is not read back yet (async scheduling): its rows are copied to host memory
+        behind it (the next step's replays overwrite the graphs' outputs), its graphs timed on the device,
+        and its attention prefix holds one more block (the requests' host lengths lag the last step)."""
         t0 = time.perf_counter()
         w = width or self.w
         # no request of the batch drafts: the target alone (the occupied slots outside the batch are
@@ -863,11 +905,14 @@ class GraphModelRunner:
         ):
             mix = next(L for L in self.mixed_lengths if prefill[1] <= L)
             self._load_prefill([prefill], mix)  # (seated first: the step's bucket covers its slot)
-        idx, B, kv_len = self._load(reqs, sampling)
+        idx, B, kv_len = self._load(reqs, sampling, self.w if ahead else 0)
         greedy = sampling is None
         conf = None
-        if self.timer is not None:
-            self.timer.start()
+        k = self._parity  # (ahead: this launch's timer and host rows, the last launch's the other pair)
+        self._parity ^= ahead
+        timer = self._timers[k] if ahead else self.timer
+        if timer is not None:
+            timer.start()
         if w > 1:
             self._graph("draft", B, greedy, kv_len)[0]()
             if trim is not None and self.conf is not None and w == self.w and not mix:
@@ -876,21 +921,36 @@ class GraphModelRunner:
         t1 = time.perf_counter()
         replay, out = self._graph(kind, B, greedy, self._verify_kv(kv_len), w, mix)
         replay()
-        if self.timer is not None:
-            self.timer.stop()
+        if timer is not None:
+            timer.stop()
         first = None
         if mix and prefill:
             first = self._prefilled(prefill[0], prefill[1], out["pf_logits"][0, 0])
             self._count_prefill(f"mix{mix}", [prefill])
-        self.clock.run(overlap)  # host work while the GPU runs (replays are asynchronous on CUDA)
-        res = steps.finish_step(out["rows"][idx], t0, t1, self.clock)
-        res.prefilled = first
-        if self.timer is not None:
-            res.device_s = self.timer.seconds()
-        if conf is not None:
-            res.width, res.confidence = w, conf
-        if steps.wants_logprobs(reqs):
-            res.logits = out["logits"][idx]
-        for r, tokens in zip(reqs, res.tokens):
+        rows, done = out["rows"][idx], None
+        if ahead and rows.is_cuda:  # (a copy behind the step, before the next step's replays)
+            host = self._host_rows[k][: rows.numel()].view(rows.shape)
+            host.copy_(rows, non_blocking=True)
+            rows, done = host, torch.cuda.Event()
+            done.record()
+        elif ahead:
+            rows = rows.clone()
+        logits = out["logits"][idx] if steps.wants_logprobs(reqs) else None
+        return Launched(reqs, rows, done, t0, t1, timer, first, w if conf is not None else None, conf, logits)
+
+    def collect(self, launched: Launched, clock: steps.OverlapClock | None = None) -> StepOutput:
+        """A launched step read back (waiting for it), its requests' committed lengths moved on; ``clock``:
+        the host work run meanwhile, its part of the wall taken out."""
+        h = launched
+        if h.done is not None:
+            h.done.synchronize()
+        res = steps.finish_step(h.rows, h.t0, h.t1, clock)
+        res.prefilled = h.first
+        if h.timer is not None:
+            res.device_s = h.timer.seconds()
+        if h.confidence is not None:
+            res.width, res.confidence = h.width, h.confidence
+        res.logits = h.logits
+        for r, tokens in zip(h.reqs, res.tokens):
             r.num_committed += len(tokens)
         return res

@@ -48,14 +48,19 @@ class Scheduler:
         a request that does not draft."""
         return self.width if req.speculate else 1
 
-    def reserve_step(self) -> list[Request]:
-        """Blocks for one verify step of every running request; preempts the newest as needed.
+    def can_reserve(self, extra: int) -> bool:
+        """Whether :meth:`reserve_step` with ``extra`` fits without preempting."""
+        return all(self.bm.can_grow(r, r.num_committed + self.lookahead(r) + extra) for r in self.running)
+
+    def reserve_step(self, extra: int = 0) -> list[Request]:
+        """Blocks for one verify step of every running request (and ``extra`` positions more: a step in
+        flight, whose tokens the host's lengths do not count yet); preempts the newest as needed.
         Returns the preempted requests."""
         preempted: list[Request] = []
         for req in list(self.running):
             if preempted and req not in self.running:  # (a membership test only once one is out: O(N) each)
                 continue
-            need = req.num_committed + self.lookahead(req)
+            need = req.num_committed + self.lookahead(req) + extra
             while not self.bm.can_grow(req, need):
                 victim = self.running[-1]
                 self.running.remove(victim)

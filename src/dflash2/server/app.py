@@ -564,6 +564,7 @@ async def server_info(http: HTTPRequest):
         # whether a step's commit can run while the next one does (the static runner, the flag not given)
         "disable_overlap_schedule": st.engine.cfg.disable_overlap_schedule
         or not getattr(st.engine.runner, "defers_commit", False),
+        "async_scheduling": st.engine.cfg.async_scheduling and not st.engine.cfg.disable_overlap_schedule,
         "gc_frozen_objects": gc.get_freeze_count(),  # what no collection walks (launch: freeze_gc)
         "internal_states": [
             {

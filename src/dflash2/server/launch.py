@@ -44,6 +44,12 @@ def add_serve_parser(sub) -> None:
         help="commit each decode step (its tokens into the requests) before the next is launched; by default "
         "the static-slot runner commits a step while the device runs the next",
     )
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="(vLLM's flag) launch each decode step before the last one is read back, where the overlap schedule "
+        "applies: the device need not wait for the host between steps (off by default until measured on a GPU)",
+    )
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--speculative-draft-kv-cache-dtype", default="auto")
     add_tp_flag(p)
@@ -175,6 +181,7 @@ def engine_config(args, target, draft, width: int):
         chunked_prefill_size=args.chunked_prefill_size,
         enable_mixed_chunk=args.enable_mixed_chunk,
         disable_overlap_schedule=args.disable_overlap_schedule,
+        async_scheduling=args.async_scheduling,
         speculative_planner=args.speculative_planner,
         speculative_trim=args.enable_speculative_trim,
         speculative_planner_widths=args.speculative_planner_widths,
