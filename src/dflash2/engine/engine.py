@@ -648,7 +648,8 @@ class LLMEngine:
             self._prefill_some(defer=True)
         if self._inflight is not None and not self.scheduler.running:  # (its rows all of finished requests)
             self._drain()
-        self._emit_first_tokens()
+        if self._inflight is None:  # (else after the next launch, inside _decode: the device busy meanwhile)
+            self._emit_first_tokens()
 
     def _admit(self) -> None:
         with self.lock:
@@ -738,7 +739,8 @@ class LLMEngine:
             if req in self.prefilling:
                 self.prefilling.remove(req)
             self.stats.preemptions += 1
-        reqs = [r for r in self.scheduler.running if not r.finished and r not in self.prefilling]
+        due = {id(r) for done, _ in self._due for r, _ in done}  # (first tokens not read yet: async scheduling)
+        reqs = [r for r in self.scheduler.running if not r.finished and r not in self.prefilling and id(r) not in due]
         waiting = self.scheduler.waiting
         if not reqs and waiting and not self.scheduler.running and not self.scheduler.fits(waiting[0]):
             with self.lock:  # nothing running, so all KV is free, and still no room: it can never fit
@@ -797,6 +799,10 @@ class LLMEngine:
                 launched = self._graphs().launch(reqs, sampling, width, ahead=True)
                 f, self._inflight = self._inflight, InFlight(launched, reqs, width, drafting, plain, bucket)
                 collected = None if f is None else self._collect(f)
+                # the last overlap's prefills' first tokens: read with this step queued (their requests join the
+                # next batch). Why not at the step's end: the read waits for the step in flight, and the device
+                # then idles while the host forms the next batch
+                self._emit_first_tokens()
                 overlap()
                 self.stats.host_s += t_run - t0
                 self.stats.plan_s += t_plan - t0
