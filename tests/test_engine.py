@@ -346,33 +346,51 @@ def test_preemption_and_slot_moves(llama):
     assert [r.accept_hist for r in reqs] == [r.accept_hist for r in paged]
 
 
+def _schedule_run(t, d, prompts, stop: int, sampled: bool, **schedule):
+    """A static-runner engine with 3 slots and a small pool (preemptions) under ``schedule`` (EngineConfig
+    fields), through 9 requests: greedy or (``sampled``) every other one seeded T=1; request 1 ended by the
+    stop id ``stop``, request 4 with min_tokens, request 6 asking logprobs. Returns the engine and requests."""
+    cfg = EngineConfig(
+        max_running_requests=3,
+        num_draft_tokens=5,
+        context_length=128,
+        max_total_tokens=192,
+        page_size=8,
+        runner="static",
+        sampler_backend="sort",
+        **schedule,
+    )
+    eng = LLMEngine(t, d, cfg)
+    reqs = []
+    for i, p in enumerate(prompts):
+        hot = sampled and i % 2 == 1
+        sp = SamplingParams(
+            temperature=1.0 if hot else 0.0,
+            top_p=0.9 if hot else 1.0,
+            max_new_tokens=(40, 33, 45)[i % 3],
+            seed=i,
+            stop_token_ids=(stop,) if i == 1 else (),
+            min_tokens=10 if i == 4 else 0,
+            logprobs=2 if i == 6 else None,
+        )
+        reqs.append(eng.add_request(Request(p.tolist(), sp)))
+    return eng, reqs
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 def test_overlap_schedule_commits_each_step_while_the_next_runs(llama, monkeypatch, sampled):
     """The static runner's steps committed while the next one runs (the default; SGLang's
     --disable-overlap-schedule commits each first): the same tokens, finishes, logprobs and counts as
     committing first, greedy and seeded sampled, through finishes, slot moves and preemptions, with a request
     that a stop id ends early, one with min_tokens and one asking logprobs (their batches commit first); most
-    steps. commits ran inside the next step."""
+    steps' commits ran inside the next step."""
     t, d = llama
     prompts = _prompts(9, seed=5)
     g = hf_greedy(t, prompts[1], 33)
     stop = g[min(5, len(g) - 1)]  # (greedy: request 1 ends at its sixth token or before)
 
     def run(disable: bool):
-        eng = LLMEngine(
-            t,
-            d,
-            EngineConfig(
-                max_running_requests=3,
-                num_draft_tokens=5,
-                context_length=128,
-                max_total_tokens=192,
-                page_size=8,
-                runner="static",
-                sampler_backend="sort",
-                disable_overlap_schedule=disable,
-            ),
-        )
+        eng, reqs = _schedule_run(t, d, prompts, stop, sampled, disable_overlap_schedule=disable)
         inside = {"n": 0}
         real = eng._settle
 
@@ -381,19 +399,6 @@ def test_overlap_schedule_commits_each_step_while_the_next_runs(llama, monkeypat
             return real(p, rows, overlapped, t0)
 
         monkeypatch.setattr(eng, "_settle", counted)
-        reqs = []
-        for i, p in enumerate(prompts):
-            hot = sampled and i % 2 == 1
-            sp = SamplingParams(
-                temperature=1.0 if hot else 0.0,
-                top_p=0.9 if hot else 1.0,
-                max_new_tokens=(40, 33, 45)[i % 3],
-                seed=i,
-                stop_token_ids=(stop,) if i == 1 else (),
-                min_tokens=10 if i == 4 else 0,
-                logprobs=2 if i == 6 else None,
-            )
-            reqs.append(eng.add_request(Request(p.tolist(), sp)))
         eng.run_until_done()
         assert eng._pending is None and eng.pool_usage()[0] == 0
         return eng, reqs, inside["n"]
@@ -416,7 +421,8 @@ def test_async_scheduling_launches_each_step_before_the_last_is_read_back(llama,
     """--async-scheduling: each step launched before the last one is read back (that one committed while this
     one runs): the same tokens, finishes, logprobs and acceptance counts as the overlap schedule, greedy and
     seeded sampled, through stop ids, finishes (a wasted row each), slot moves, preemptions (the step in flight
-    read back first) and the batches that commit at once (min_tokens, logprobs); most steps launched ahead."""
+    read back first), new requests joining (their first tokens read after the next launch) and the batches
+    that commit at once (min_tokens, logprobs); most steps launched ahead."""
     t, d = llama
     prompts = _prompts(9, seed=5)
     g = hf_greedy(t, prompts[1], 33)
@@ -425,20 +431,7 @@ def test_async_scheduling_launches_each_step_before_the_last_is_read_back(llama,
     monkeypatch.setattr(graph_runner, "KV_BUCKETS_EAGER", tuple(range(8, 128, 4)))
 
     def run(on: bool):
-        eng = LLMEngine(
-            t,
-            d,
-            EngineConfig(
-                max_running_requests=3,
-                num_draft_tokens=5,
-                context_length=128,
-                max_total_tokens=192,
-                page_size=8,
-                runner="static",
-                sampler_backend="sort",
-                async_scheduling=on,
-            ),
-        )
+        eng, reqs = _schedule_run(t, d, prompts, stop, sampled, async_scheduling=on)
         early = {"n": 0}
         real = eng.runner.launch
 
@@ -447,19 +440,6 @@ def test_async_scheduling_launches_each_step_before_the_last_is_read_back(llama,
             return real(*a, ahead=ahead, **kw)
 
         monkeypatch.setattr(eng.runner, "launch", counted)
-        reqs = []
-        for i, p in enumerate(prompts):
-            hot = sampled and i % 2 == 1
-            sp = SamplingParams(
-                temperature=1.0 if hot else 0.0,
-                top_p=0.9 if hot else 1.0,
-                max_new_tokens=(40, 33, 45)[i % 3],
-                seed=i,
-                stop_token_ids=(stop,) if i == 1 else (),
-                min_tokens=10 if i == 4 else 0,
-                logprobs=2 if i == 6 else None,
-            )
-            reqs.append(eng.add_request(Request(p.tolist(), sp)))
         eng.run_until_done()
         assert eng._pending is None and eng._inflight is None and eng.pool_usage()[0] == 0
         return eng, reqs, early["n"]
