@@ -847,7 +847,7 @@ class LLMEngine:
         runner = self.runner
         if not (self.cfg.async_scheduling and isinstance(runner, GraphModelRunner)):
             return False
-        return max(r.num_committed for r in runner.occupant) + 2 * self.width <= runner.max_len
+        return max((r.num_committed for r in runner.occupant), default=0) + 2 * self.width <= runner.max_len
 
     def _graphs(self) -> GraphModelRunner:
         """The runner, under async scheduling (:meth:`_launches_ahead`: the graph runner)."""
