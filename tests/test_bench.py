@@ -219,8 +219,9 @@ def test_engine_speed_times_the_static_runners_graphs(monkeypatch):
 
 def test_engine_speed_schedules_run_each_row_under_each_schedule(monkeypatch):
     """``schedules``: every row once per schedule in one run (the overlap schedule off, on, and async
-    scheduling), each speedup against the target under the same schedule; the static runner defers its
-    commits where the overlap schedule is on, and launches ahead under async scheduling only."""
+    scheduling), each speedup against the target under the same schedule, each schedule's rows with a planner
+    of their own; the static runner defers its commits where the overlap schedule is on, and launches ahead
+    under async scheduling only."""
     import torch
     from targets import build
     from test_speculative import random_draft
@@ -243,10 +244,13 @@ def test_engine_speed_schedules_run_each_row_under_each_schedule(monkeypatch):
         return launch(self, *a, ahead=ahead, **kw)
 
     monkeypatch.setattr(GraphModelRunner, "launch", counted)
+    shared = es.SharedEngines("off")
     rows = es.run(
         t, random_draft(t).draft, ["a", "b", "c"], [3], ["block"], [2], 5, 1.0, requests_per_slot=2, slots=2,
-        warmup=False, schedules="no-overlap,overlap,async", engine_kw={"runner": "static"},
+        warmup=False, schedules="no-overlap,overlap,async", engine_kw={"runner": "static"}, shared=shared,
     )  # fmt: skip
+    # one engine per runner, and a planner of its own for each schedule's rows (its step costs are the schedule's)
+    assert len(shared.engines) == 2 and len({k[2] for k in shared.planners if k[0][0] == 3}) == 3
     names = [f"{c} {k}" for k in ("no-overlap", "overlap", "async") for c in ("target", "dflash2 w=3 block")]
     assert [r.config for r in rows] == names
     assert seen == {n: {"no-overlap" not in n} for n in names}

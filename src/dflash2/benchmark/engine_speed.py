@@ -164,13 +164,16 @@ def measure(
         )
         if engines is not None:
             engines[key] = eng
-        if shared is not None:
-            shared.planners[(key, planner)] = eng.planner
+    # one planner per row config and schedule: what it learns (step costs: walls, or device times under async
+    # scheduling) stays with its schedule's rows
+    sched = ",".join(f"{k}={v}" for k, v in sorted((schedule or {}).items()))
+    if shared is not None and not any(k[0] == key for k in shared.planners):
+        shared.planners[(key, planner, sched)] = eng.planner
     if shared is not None and draft is not None:
-        if (key, row_planner) not in shared.planners:
+        if (key, row_planner, sched) not in shared.planners:
             mode, between = _planner_at(row_planner, width)
-            shared.planners[(key, row_planner)] = eng.planner_for(mode, between or None)
-        eng.use_planner(shared.planners[(key, row_planner)])
+            shared.planners[(key, row_planner, sched)] = eng.planner_for(mode, between or None)
+        eng.use_planner(shared.planners[(key, row_planner, sched)])
     if concurrency > eng.cfg.max_running_requests:
         raise ValueError(f"concurrency {concurrency} above the engine's {eng.cfg.max_running_requests} slots")
     eng.scheduler.max_running = concurrency
