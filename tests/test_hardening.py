@@ -409,11 +409,11 @@ def test_engine_loop_survives_failing_steps(llama, monkeypatch):
 
         victims = [_req([5, 6, 7, 8], n=40) for _ in range(2)]
 
-        def reserve():  # once both victims are running (they are added one after the other)
+        def reserve(extra: int = 0):  # once both victims are running (they are added one after the other)
             if state["armed"] and all(r.output_ids and r in eng.scheduler.running for r in victims):
                 state["armed"] = False
                 raise RuntimeError("scheduler broke")
-            return real_reserve()
+            return real_reserve(extra)
 
         monkeypatch.setattr(eng.scheduler, "reserve_step", reserve)
         for r in victims:
