@@ -750,7 +750,8 @@ class LLMEngine:
     def _decode(self, reqs: list[Request]) -> None:
         """One step of the decode batch: its width (the planner's), the runner's step (draft, verify,
         accept; the last step's commit and a prefill run inside it), then each request's tokens and the
-        planner's counts: at once, or (the overlap schedule, :meth:`_defers`) inside the next step."""
+        planner's counts: at once, or (the overlap schedule, :meth:`_defers`) inside the next step; under
+        async scheduling (:meth:`_launches_ahead`) the step is launched before the last one is read back."""
         prev, self._pending = self._pending, None
         defer = self._defers(reqs)
         early = defer and self._launches_ahead()  # async scheduling: launched before the last step's read-back
@@ -774,6 +775,10 @@ class LLMEngine:
         ahead, self._draws_ahead = self._draws_ahead, None
         sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device, G, ahead=ahead)
         t_run = time.perf_counter()
+        s = self.stats
+        s.host_s += t_run - t0
+        s.plan_s += t_plan - t0
+        s.draw_s += t_run - t_plan
 
         def overlap() -> None:
             # host work while the device runs the step: the last step's commit, the next step's draws, the
@@ -804,9 +809,6 @@ class LLMEngine:
                 # then idles while the host forms the next batch
                 self._emit_first_tokens()
                 overlap()
-                self.stats.host_s += t_run - t0
-                self.stats.plan_s += t_plan - t0
-                self.stats.draw_s += t_run - t_plan
                 return
             out = self.runner.step(reqs, sampling, width, overlap=overlap, prefill=mix, trim=trim)
         except Exception as e:  # a failing batch fails its requests, not the server
@@ -829,10 +831,6 @@ class LLMEngine:
             self.stats.prompts_mixed += 1
             self._take_prefilled([mix], [out.prefilled])
         self._count(out, width)
-        s = self.stats
-        s.host_s += t_run - t0
-        s.plan_s += t_plan - t0
-        s.draw_s += t_run - t_plan
         # the step's own wall: without what the prefill launched inside it added (OverlapClock); a deferred
         # commit's runs while the next step does
         step = PendingStep(reqs, out, width, drafting, plain, bucket, t_back - t0 - out.overlap_s, [*range(len(reqs))])
