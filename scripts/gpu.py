@@ -698,7 +698,7 @@ def stage_engine(args) -> None:
         )
         return load_models(a)
 
-    def serve(target, draft, ids, width, runner, disable=False):
+    def serve(target, draft, ids, width, runner, disable=False, schedule=None):
         eng = LLMEngine(
             target,
             draft,
@@ -709,6 +709,7 @@ def stage_engine(args) -> None:
                 context_length=1024,
                 runner=runner,
                 disable_cuda_graph=disable,
+                **(schedule or {}),
             ),
         )
         reqs = [Request(x, SamplingParams(max_new_tokens=args.check_tokens)) for x in ids]
@@ -726,10 +727,12 @@ def stage_engine(args) -> None:
         ids = [render(target.tokenizer, p) for p in prompts[: args.check_prompts]]
         ref, *_ = serve(target, None, ids, 2, "paged")
         row = {}
-        for w in (1, 5, 8):
+        # (each --schedules entry checked too: the overlap schedule and async scheduling must not change a token)
+        for w, sched in [(w, k) for w in (1, 5, 8) for k in (args.schedules.split(",") if args.schedules else [""])]:
             t0 = time.time()
-            out, kind, graphed = serve(target, draft if w > 1 else None, ids, max(w, 2), "auto")
-            row[f"w{w}"] = {
+            schedule = engine_speed.SCHEDULES[sched] if sched else None
+            out, kind, graphed = serve(target, draft if w > 1 else None, ids, max(w, 2), "auto", schedule=schedule)
+            row[f"w{w}" + (f" {sched}" if sched else "")] = {
                 "runner": kind,
                 "graphed": graphed,
                 "seconds": round(time.time() - t0, 2),
