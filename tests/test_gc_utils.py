@@ -37,7 +37,8 @@ def test_freeze_takes_what_is_alive_out_of_the_collectors_walks():
     kept = [Cycle() for _ in range(1000)]
     try:
         n = freeze_gc("test")
-        assert n == gc.get_freeze_count() >= 1000
+        # (frozen objects that die are still freed, by reference counting: in CI a few went between the two reads)
+        assert n >= 1000 and 0 <= n - gc.get_freeze_count() < 100
         assert not any(gc.is_tracked(x) and x in gc.get_objects(2) for x in kept[:3])  # not in any generation
         Cycle()  # new garbage is still collected
         assert gc.collect() >= 1
