@@ -132,6 +132,9 @@ def measure(
     row's planner swapped in). ``schedule``: :class:`EngineConfig` fields read each step (the overlap
     schedule, async scheduling) set on its engine for the row (None: as the engine was built)."""
     row_planner = planner
+    # one planner per row config and schedule: what it learns (step costs: walls, or device times under async
+    # scheduling) stays with its schedule's rows
+    sched = ",".join(f"{k}={v}" for k, v in sorted((schedule or {}).items()))
     if shared is not None:
         engines, key = shared.engines, (width if draft is not None else 1, block, attention_backend)
         planner = shared.build_planner if draft is not None else "off"
@@ -164,11 +167,8 @@ def measure(
         )
         if engines is not None:
             engines[key] = eng
-    # one planner per row config and schedule: what it learns (step costs: walls, or device times under async
-    # scheduling) stays with its schedule's rows
-    sched = ",".join(f"{k}={v}" for k, v in sorted((schedule or {}).items()))
-    if shared is not None and not any(k[0] == key for k in shared.planners):
-        shared.planners[(key, planner, sched)] = eng.planner
+        if shared is not None:
+            shared.planners[(key, planner, sched)] = eng.planner
     if shared is not None and draft is not None:
         if (key, row_planner, sched) not in shared.planners:
             mode, between = _planner_at(row_planner, width)

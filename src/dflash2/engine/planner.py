@@ -602,8 +602,7 @@ class Planner:
         if bucket in self.want_plain and not self._plain_known(bucket):  # a stop waits on its price
             return 1
         keep = current if current in cost else W
-        tokens = self.expected_by_width(rids)
-        rate = {w: tokens[w - 1] / c for w, c in cost.items() if c is not None}
+        rate = self._rates(rids, cost)
         for end in (1, W):  # a probe keeps each end's cost (and, at the full width, acceptance) fresh
             last = max(self.last_run.get(W, 0), probed) if end == W else self.last_run.get(1, 0)
             if end != keep and steps - last >= cfg.probe_every:
@@ -616,6 +615,16 @@ class Planner:
                     # a one-token one, and the full-width probes and cold starts were ~15 s of a 79 s run
                     # at 0.89x of the target alone (docs/benchmarks.md, twenty-fifth session)
                     return 2 if keep == 1 and 2 in cost else W
+        return self._next_width(rate, keep, bucket)
+
+    def _rates(self, rids: list[str], cost: dict[int, float | None]) -> dict[int, float]:
+        """Expected committed tokens per second of ``rids``' step at each width whose ``cost`` is known."""
+        tokens = self.expected_by_width(rids)
+        return {w: tokens[w - 1] / c for w, c in cost.items() if c is not None}
+
+    def _next_width(self, rate: dict[int, float], keep: int, bucket: int) -> int:
+        """The width a batch at ``keep`` runs next, probes aside: the best counted width where it beats
+        ``keep``'s tokens/s by the hysteresis, else ``keep``."""
         ok = self._counted(rate, rate[1], bucket)
         best = max(ok, key=lambda w: rate[w])
         if keep not in ok:
@@ -625,7 +634,7 @@ class Planner:
             # (neither in the step costs) made it a loss: 0.86-0.93x of the target alone on the CPU at 16
             # requests, T=1 (docs/benchmarks.md, twenty-sixth and twenty-seventh sessions)
             return best
-        return best if rate[best] > rate[keep] * (1 + cfg.hysteresis) else keep
+        return best if rate[best] > rate[keep] * (1 + self.cfg.hysteresis) else keep
 
     def speculate_new(self, n_running: int, bucket: int) -> bool:
         """Whether a request admitted now, making ``n_running`` decode requests at ``bucket``, drafts
@@ -760,11 +769,7 @@ class Planner:
         if self.current != 1 or not rids:
             return None
         cost = {w: self.cost(bucket, w) for w in sorted(set(self.widths) | {1, self.width})}
-        if any(c is None for c in cost.values()):
-            return None
-        tokens = self.expected_by_width(rids)
-        rate = {w: tokens[w - 1] / c for w, c in cost.items()}
-        if max(rate[w] for w in self._counted(rate, rate[1], bucket) if w > 1) > rate[1] * (1 + self.cfg.hysteresis):
+        if any(c is None for c in cost.values()) or self._next_width(self._rates(rids, cost), 1, bucket) != 1:
             return None
         plain, one = self.cost(bucket, 0, lifetime=True), self.cost(bucket, 1, lifetime=True)
         return None if plain is None or one is None else plain / one
