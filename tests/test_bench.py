@@ -211,10 +211,35 @@ def test_engine_speed_times_the_static_runners_graphs(monkeypatch):
         assert r.device_ms_by_shape and r.device_ms_by_shape.keys() == r.step_ms_by_shape.keys()
         for k, (n, ms) in r.device_ms_by_shape.items():
             assert n == r.step_ms_by_shape[k][0] and 0 < ms <= r.step_ms_by_shape[k][1]
-        wall, dev = (float(x) for x in line.split()[-1].split("/"))  # the table's step/dev column: the means
+        wall, dev = (float(x) for x in line.split()[-2].split("/"))  # the table's step/dev column: the means
         n = sum(k for k, _ in r.step_ms_by_shape.values())
         assert wall == pytest.approx(sum(k * ms for k, ms in r.step_ms_by_shape.values()) / n, abs=0.006)
         assert 0 < dev <= wall + 0.01
+        # the read-back's wait (a CPU tensor's: the copy alone), in the table's last column
+        assert 0 < r.wait_ms_per_step < wall and float(line.split()[-1]) == pytest.approx(r.wait_ms_per_step, abs=0.006)
+
+
+def test_read_back_wait_is_the_time_blocked_on_the_step():
+    """A step's ``wait_s`` is the host's time blocked at its read-back: the launched step's event (async
+    scheduling) and the rows' copy, not the work before it."""
+    import time
+
+    import torch
+    from dflash2.engine.graph_runner import GraphModelRunner, Launched
+    from dflash2.engine.request import Request
+    from dflash2.verification import SamplingParams
+
+    class SlowEvent:  # a step still running on the device for 30 ms
+        def synchronize(self) -> None:
+            time.sleep(0.03)
+
+    reqs = [Request([1, 2], SamplingParams(max_new_tokens=4)) for _ in range(2)]
+    rows = torch.tensor([[5, 6, 1], [7, 0, 0]])  # tokens, then the number accepted
+    t0 = time.perf_counter() - 0.05  # (launched 50 ms ago: not a wait)
+    launched = Launched(reqs, rows, SlowEvent(), t0, t0, None, None, None, None, None)  # type: ignore[arg-type]
+    out = GraphModelRunner.collect(None, launched)  # type: ignore[arg-type]
+    assert out.tokens == [[5, 6], [7]] and [r.num_committed for r in reqs] == [2, 1]
+    assert 0.03 <= out.wait_s < 0.05 <= out.verify_s
 
 
 def test_engine_speed_schedules_run_each_row_under_each_schedule(monkeypatch):
@@ -353,8 +378,8 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
     # the collections' time over the rounds, in the table's gc column (ms); no step timed here: "-" after it
     assert (target.gc_seconds, spec.gc_seconds) == (0.0, 0.5)
     lines = es.table(rows).splitlines()
-    assert lines[0].split()[-4:] == ["gc", "ms", "step/dev", "ms"]
-    assert [x.split()[-2:] for x in lines[1:3]] == [["0", "-"], ["500", "-"]]
+    assert lines[0].split()[-6:] == ["gc", "ms", "step/dev", "ms", "wait", "ms"]
+    assert [x.split()[-3:] for x in lines[1:3]] == [["0", "-", "0.00"], ["500", "-", "0.00"]]
 
 
 def test_engine_speed_stops_rounds_and_levels_at_the_deadline(monkeypatch):

@@ -64,6 +64,9 @@ class ConcurrencyRow:
     draw_ms_per_step: float = 0.0  # of host_ms_per_step: the sampled batch's parameters and uniforms
     commit_ms_per_step: float = 0.0  # of host_ms_per_step: the tokens into each request after the read-back
     overlap_ms_per_step: float = 0.0  # what the prefills run inside steps added to a step's wall
+    # the host blocked at a step's read-back, waiting for the device: about the step's device time less the host
+    # work queued behind it (near 0: the device waits for the host; under async scheduling too)
+    wait_ms_per_step: float = 0.0
 
 
 # ``run(schedules=...)``: the engine fields each schedule sets on a row's engine
@@ -240,6 +243,7 @@ def measure(
         draw_ms_per_step=1e3 * s.draw_s / steps,
         commit_ms_per_step=1e3 * s.commit_s / steps,
         overlap_ms_per_step=1e3 * s.overlap_s / steps,
+        wait_ms_per_step=1e3 * s.wait_s / steps,
         prefill_shapes=prefill_shapes,
         gc_ms_per_step=1e3 * pauses.seconds / steps,
         gc_seconds=pauses.seconds,
@@ -283,6 +287,7 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
         draw_ms_per_step=avg("draw_ms_per_step"),
         commit_ms_per_step=avg("commit_ms_per_step"),
         overlap_ms_per_step=avg("overlap_ms_per_step"),
+        wait_ms_per_step=avg("wait_ms_per_step"),
         prefill_shapes=rows[-1].prefill_shapes,
         gc_ms_per_step=avg("gc_ms_per_step"),
         gc_collections=[sum(c) for c in zip(*(r.gc_collections for r in rows))],
@@ -415,11 +420,12 @@ def _mean_ms(by_shape: dict) -> float | None:
 
 def table(rows: list[ConcurrencyRow]) -> str:
     """One line a row; "step/dev ms": a step's mean wall (prefill out) over its graphs' device time (the last
-    round's), where the gap is host work the device waits for."""
+    round's), where the gap is host work the device waits for; "wait ms": the host blocked at a step's read-back
+    (near 0 where the device waits for the host)."""
     out = [
         f"{'config':<40}{'conc':>5}{'tok/s':>9}{'AL':>6}{'speedup':>9}{'width':>7}{'draft ms':>10}{'verify ms':>10}"
         f"{'other ms':>9}{'rounds':>7}{'tok/s range':>16}{'wall % decode/prefill/host':>28}{'gc ms':>8}"
-        f"{'step/dev ms':>13}"
+        f"{'step/dev ms':>13}{'wait ms':>9}"
     ]
     for r in rows:
         split = [r.step_seconds, r.prefill_seconds, r.seconds - r.step_seconds - r.prefill_seconds]
@@ -430,7 +436,7 @@ def table(rows: list[ConcurrencyRow]) -> str:
             f"{r.config:<40}{r.concurrency:>5}{r.tokens_per_s:>9.1f}{r.accept_length:>6.2f}{r.speedup:>8.2f}x"
             f"{r.mean_width:>7.2f}{r.draft_ms_per_step:>10.1f}{r.verify_ms_per_step:>10.1f}{r.overhead_ms_per_step:>9.1f}"
             f"{r.rounds:>7}{f'{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}':>16}{split_txt:>28}"
-            f"{1e3 * r.gc_seconds:>8.0f}{timed:>13}"
+            f"{1e3 * r.gc_seconds:>8.0f}{timed:>13}{r.wait_ms_per_step:>9.2f}"
         )
     return "\n".join(out)
 

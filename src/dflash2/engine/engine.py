@@ -248,6 +248,7 @@ class EngineStats:
     # overlap schedule's: the rows that may end their request; its other rows go in while the next step runs)
     commit_s: float = 0.0
     overlap_s: float = 0.0  # what the work run inside steps (prefills) added to their wall (OverlapClock)
+    wait_s: float = 0.0  # the host blocked at steps' read-backs, waiting for the device (StepOutput.wait_s)
     prefill_s: float = 0.0  # prefill chunks, first tokens included
     steps_by_width: dict[int, int] = field(default_factory=dict)  # the widths verified
     steps_trimmed: int = 0  # drafting steps verified narrower than drafted (Planner.trim)
@@ -989,6 +990,7 @@ class LLMEngine:
         s.drafts_proposed += (width - 1) * len(accepted)
         s.draft_s += out.draft_s
         s.verify_s += out.verify_s
+        s.wait_s += out.wait_s
 
     def _observe(
         self,

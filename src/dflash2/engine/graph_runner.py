@@ -941,10 +941,12 @@ class GraphModelRunner:
     def collect(self, launched: Launched, clock: steps.OverlapClock | None = None) -> StepOutput:
         """A launched step read back (waiting for it), its requests' committed lengths moved on; ``clock``:
         the host work run meanwhile, its part of the wall taken out."""
-        h = launched
+        h, t = launched, time.perf_counter()
         if h.done is not None:
             h.done.synchronize()
+        waited = time.perf_counter() - t
         res = steps.finish_step(h.rows, h.t0, h.t1, clock)
+        res.wait_s += waited
         res.prefilled = h.first
         if h.timer is not None:
             res.device_s = h.timer.seconds()

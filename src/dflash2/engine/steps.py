@@ -324,6 +324,9 @@ class StepOutput:
     confidence: np.ndarray | None = None
     # the step's own graphs' device time, first replay to last (benchmarks: :class:`GraphTimer`)
     device_s: float | None = None
+    # of the step's wall: the host blocked at the read-back, waiting for the device (near 0 where the host is
+    # what the device waits for: then a step's wall over its device time is host work, not a wait)
+    wait_s: float = 0.0
 
     def __post_init__(self):
         self.num_accepted = [len(t) - 1 for t in self.tokens]
@@ -442,9 +445,13 @@ def finish_step(rows: torch.Tensor, t0: float, t1: float, clock: OverlapClock | 
     """One read-back of the batch's ``[B, g + 2]`` rows (the verifier's tokens, then the number
     accepted), split per request; ``clock``: the step's overlap work, its part of the wall reported
     apart."""
-    out = rows.tolist()
+    t_read = time.perf_counter()
+    out = rows.tolist()  # (a device tensor: waits for the step)
+    t_end = time.perf_counter()
     ov = clock.seconds() if clock is not None else 0.0
-    return StepOutput([row[: row[-1] + 1] for row in out], t1 - t0, time.perf_counter() - t1 - ov, overlap_s=ov)
+    res = StepOutput([row[: row[-1] + 1] for row in out], t1 - t0, t_end - t1 - ov, overlap_s=ov)
+    res.wait_s = t_end - t_read
+    return res
 
 
 def wants_logprobs(reqs) -> bool:
