@@ -239,7 +239,7 @@ def test_read_back_wait_is_the_time_blocked_on_the_step():
     launched = Launched(reqs, rows, SlowEvent(), t0, t0, None, None, None, None, None)  # type: ignore[arg-type]
     out = GraphModelRunner.collect(None, launched)  # type: ignore[arg-type]
     assert out.tokens == [[5, 6], [7]] and [r.num_committed for r in reqs] == [2, 1]
-    assert 0.03 <= out.wait_s < 0.05 <= out.verify_s
+    assert 0.03 <= out.wait_s < out.verify_s - 0.04  # (the 50 ms before the read-back are not in it)
 
 
 def test_engine_speed_schedules_run_each_row_under_each_schedule(monkeypatch):
