@@ -449,9 +449,9 @@ def finish_step(rows: torch.Tensor, t0: float, t1: float, clock: OverlapClock | 
     out = rows.tolist()  # (a device tensor: waits for the step)
     t_end = time.perf_counter()
     ov = clock.seconds() if clock is not None else 0.0
-    res = StepOutput([row[: row[-1] + 1] for row in out], t1 - t0, t_end - t1 - ov, overlap_s=ov)
-    res.wait_s = t_end - t_read
-    return res
+    return StepOutput(
+        [row[: row[-1] + 1] for row in out], t1 - t0, t_end - t1 - ov, overlap_s=ov, wait_s=t_end - t_read
+    )
 
 
 def wants_logprobs(reqs) -> bool:
