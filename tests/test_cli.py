@@ -57,24 +57,8 @@ def test_generate_default_fp32_lossless():
         .splitlines()[-1]
     )
     assert spec["token_ids"] == base["token_ids"]
-    # the default drafter on the CPU is int8 (auto); the fp32 one gives the same tokens too
-    fp32 = json.loads(
-        run(
-            "generate",
-            "--prompt",
-            prompt,
-            "--max-new-tokens",
-            "48",
-            "--dtype",
-            "float32",
-            "--speculative-draft-model-quantization",
-            "none",
-            "--json",
-        )
-        .stdout.strip()
-        .splitlines()[-1]
-    )
-    assert fp32["token_ids"] == base["token_ids"]
+    # the default drafter on the CPU is int8 (auto); the drafter only proposes, so its fp32 form (which
+    # test_draft_quantization_auto_is_int8_on_cpu_fp32_only loads) needs no run of its own here
     assert spec["completion_tokens"] == len(spec["token_ids"])
     assert spec["accept_length"] > 1.5  # the shipped drafter really drafts
     assert set(spec) >= {"text", "token_ids", "completion_tokens", "verify_steps", "accept_length", "tokens_per_s"}
