@@ -50,7 +50,7 @@ def test_fused_kernel_equals_the_unfused_path(dtype, shrink):
     search over the entries left in its bracket (a wrong count or mass carried for those that left it
     moves the threshold and fails the kept sets); else over the whole row."""
     g = torch.Generator().manual_seed(1)
-    R, V = 16, 3000  # the interpreter's time is per row: each (top-k, top-p, min-p, T) pair twice
+    R, V = 16, 3000  # the interpreter takes time per row: each (top-k, top-p, min-p, T) setting at two scales
     logits = (torch.randn(R, V, generator=g) * torch.linspace(0.3, 6, R)[:, None]).to(torch.bfloat16).to(dtype)
     logits[2, [700, 900, 2000]] = logits[2].max() + 1  # a tie at the top of a greedy row: the lowest id wins
     logits[5, :50] = float("-inf")
