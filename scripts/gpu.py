@@ -730,7 +730,7 @@ def stage_engine(args) -> None:
         # (each --schedules entry checked too: the overlap schedule and async scheduling must not change a token)
         for w, sched in [(w, k) for w in (1, 5, 8) for k in (args.schedules.split(",") if args.schedules else [""])]:
             t0 = time.time()
-            schedule = engine_speed.SCHEDULES[sched] if sched else None
+            schedule = engine_speed.schedule_fields(sched) if sched else None
             out, kind, graphed = serve(target, draft if w > 1 else None, ids, max(w, 2), "auto", schedule=schedule)
             row[f"w{w}" + (f" {sched}" if sched else "")] = {
                 "runner": kind,
@@ -2097,6 +2097,7 @@ def stage_shape(args) -> None:
         return
     prompts = gsm8k_test_prompts(ROOT / "work" / "gsm8k_test.jsonl", 512)
     temps = [float(t) for t in (args.shape_temperatures or str(args.speed_temperature)).split(",")]
+    shared = None
     for rate in [float(a) for a in args.acceptances.split(",")]:
         shared = shared_engines(args)  # this rate's engines, for every level and temperature
         for temp in temps:
@@ -2129,6 +2130,38 @@ def stage_shape(args) -> None:
                 flush=True,
             )
             keep(rows)
+    if args.prefill_replays and shared is not None:
+        report["prefill_replays"] = prefill_replay_times(shared)
+        (OUT / "shape.json").write_text(json.dumps(report, indent=1))
+
+
+def prefill_replay_times(shared) -> dict:
+    """Each shared engine's packed prefill graphs, each replayed alone (median ms of 20, synchronised), with
+    and without the drafter's latents, and a profile of the smallest one's kernels (top 12 by device time).
+    After the rows: a replay rewrites the K/V pages of its last prompts (finished requests' pages). Why: at
+    the 8B shape, 32 requests, drafting's 141 trickled replays took ~12 ms each over their tokens' share
+    (fifty-fourth session): the graph's own cost or the engine's path around it?"""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    out: dict = {}
+    for key, eng in shared.engines.items():
+        graphs = getattr(eng.runner, "prefill_graphs", {})
+        if not graphs:
+            continue
+        eng.runner.pf.zero_()  # (the last prompts' offsets would index past a smaller total)
+        eng.runner.pf_last.zero_()
+        row = {f"{T}{'+lat' if lat else ''}": round(replay_ms(g[0], 20), 3) for (T, lat), g in sorted(graphs.items())}
+        row["prefill_replay_s"] = round(1e3 * eng.runner.prefill_replay_s, 3)
+        small = min(graphs)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                graphs[small][0]()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+        out[str(key)] = {"replay_ms": row, "profiled": f"{small}", "kernels": table}
+        print(f"prefill replays {key}: {row}\n{table}", flush=True)
+    return out
 
 
 def main() -> None:
@@ -2308,9 +2341,13 @@ def main() -> None:
     ap.add_argument(
         "--schedules",
         default="",
-        help="engine: every row once per schedule in the call, e.g. no-overlap,overlap,async (engine_speed.SCHEDULES)",
+        help="engine, shape: every row once per schedule in the call, e.g. no-overlap,overlap,async,cds4 "
+        "(engine_speed.schedule_fields)",
     )
     ap.add_argument("--prefill-packed", action="store_true", help="shape: packed prefill vs each prompt alone, timed")
+    ap.add_argument(
+        "--prefill-replays", action="store_true", help="shape, --shared-engines: each prefill graph replayed alone"
+    )
     ap.add_argument("--prefill-tokens", default=None, help="graph_runner.PREFILL_TOKENS for this call")
     ap.add_argument("--packed-max-tokens", type=int, default=None, help="graph_runner.PACKED_MAX_TOKENS")
     ap.add_argument("--mixed-max-tokens", type=int, default=None, help="graph_runner.MIXED_MAX_STEP_TOKENS")

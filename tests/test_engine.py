@@ -839,6 +839,78 @@ def test_prefill_runs_inside_the_decode_step(llama, runner, monkeypatch):
         assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
 
 
+def _admission_steps(eng, monkeypatch) -> list[tuple[int, bool, int]]:
+    """(decode steps so far, whether a request was decoding, requests admitted) at each admission round that
+    admitted something."""
+    rounds, real = [], eng.scheduler.admit
+
+    def admit(speculate=None):
+        decoding = any(r not in eng.prefilling for r in eng.scheduler.running)
+        got = real(speculate)
+        if got:
+            rounds.append((eng.stats.steps, decoding, len(got)))
+        return got
+
+    monkeypatch.setattr(eng.scheduler, "admit", admit)
+    return rounds
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_continuous_decode_steps_admit_every_n_steps(llama, monkeypatch, steps):
+    """``--num-continuous-decode-steps N``: while requests decode, an admission round runs once N decode
+    steps have passed since the last one that admitted (so requests finishing a few steps apart share one
+    prefill); where nothing decodes, at once. Lossless: greedy outputs equal the target's."""
+    t, d = llama
+    eng = LLMEngine(t, d, EngineConfig(max_running_requests=3, num_draft_tokens=4, context_length=128,
+                                       runner="paged", speculative_planner="off",
+                                       num_continuous_decode_steps=steps))  # fmt: skip
+    rounds = _admission_steps(eng, monkeypatch)
+    prompts = _prompts(9, seed=5)
+    lengths = (9, 3, 6, 4, 7, 2, 8, 5, 3)
+    reqs = [eng.add_request(Request(p.tolist(), SamplingParams(max_new_tokens=n))) for p, n in zip(prompts, lengths)]
+    eng.run_until_done()
+    gaps = [b[0] - a[0] for a, b in zip(rounds, rounds[1:]) if b[1]]  # rounds while others decoded
+    assert gaps and min(gaps) >= steps, rounds
+    if steps > 1:  # some round admitted two requests that finished apart, or it waited for nothing
+        assert eng.stats.admissions_held == 0 and len(rounds) < 9, rounds
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
+    with pytest.raises(ValueError, match="num-continuous-decode-steps"):
+        EngineConfig(num_continuous_decode_steps=0)
+
+
+def test_auto_admission_waits_while_idle_rows_cost_less_than_a_prefill(llama, monkeypatch):
+    """Auto (the default): where the runner prices a prefill replay, an admission round waits while the
+    rows that waiting requests could fill have stood idle for less than that replay's seconds (each a
+    step: the last step's seconds per row), and at most ADMIT_WAIT_STEPS decode steps; unpriced (the CPU's
+    runners) or cheap, the rounds of ``--num-continuous-decode-steps 1``. The price is injected."""
+    from dflash2.engine import engine as engine_mod
+
+    t, d = llama
+    prompts, lengths = _prompts(9, seed=5), (24, 3, 6, 4, 17, 2, 18, 5, 3)
+    runs = {}
+    for price in (None, 0.0, 1e-12, 1e9):
+        eng = LLMEngine(t, d, EngineConfig(max_running_requests=3, num_draft_tokens=4, context_length=128,
+                                           runner="paged", speculative_planner="off",
+                                           num_continuous_decode_steps=1 if price is None else None))  # fmt: skip
+        assert not hasattr(eng.runner, "prefill_replay_s")
+        if price is not None:
+            eng.runner.prefill_replay_s = price
+        rounds = _admission_steps(eng, monkeypatch)
+        reqs = [
+            eng.add_request(Request(p.tolist(), SamplingParams(max_new_tokens=n))) for p, n in zip(prompts, lengths)
+        ]
+        eng.run_until_done()
+        for p, r in zip(prompts, reqs):
+            assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
+        runs[price] = (rounds, eng.stats.admissions_held)
+    assert runs[0.0] == runs[1e-12] == runs[None] and runs[None][1] == 0
+    rounds, held = runs[1e9]  # never worth a replay: each round at the cap
+    gaps = [b[0] - a[0] for a, b in zip(rounds, rounds[1:]) if b[1]]
+    assert gaps and min(gaps) >= engine_mod.ADMIT_WAIT_STEPS and held > 0, rounds
+    assert len(rounds) < len(runs[None][0])
+
+
 @pytest.mark.parametrize("runner", ["paged", "static"])
 def test_step_costs_leave_out_the_prefill_inside_the_step(llama, runner, monkeypatch):
     """The step cost the planner learns is the step's own: a prefill run inside the step (its overlap)

@@ -48,6 +48,7 @@ class ConcurrencyRow:
     gc_seconds: float = 0.0  # their whole time (all rounds: the table's "gc ms")
     step_seconds: float = 0.0  # of ``seconds``: in batched decode steps
     prefill_seconds: float = 0.0  # of ``seconds``: in prefill chunks (the rest: the host between them)
+    admissions_held: int = 0  # steps whose admission round waited (EngineConfig.num_continuous_decode_steps)
     # with the planner on: its step costs (ms by "bucket x width") and every request's acceptance per
     # draft position, as it stood when the round ended
     planner_state: dict = field(default_factory=dict)
@@ -69,12 +70,23 @@ class ConcurrencyRow:
     wait_ms_per_step: float = 0.0
 
 
-# ``run(schedules=...)``: the engine fields each schedule sets on a row's engine
-SCHEDULES = {
-    "no-overlap": {"disable_overlap_schedule": True, "async_scheduling": False},
-    "overlap": {"disable_overlap_schedule": False, "async_scheduling": False},
-    "async": {"disable_overlap_schedule": False, "async_scheduling": True},
+# ``run(schedules=...)``: the engine fields each schedule sets on a row's engine (every field, as the engine
+# keeps them for the rows after; admissions as by default); "cdsN": the overlap schedule admitting once every N
+# decode steps (``--num-continuous-decode-steps N``)
+SCHEDULES: dict[str, dict] = {
+    "no-overlap": {"disable_overlap_schedule": True, "async_scheduling": False, "num_continuous_decode_steps": None},
+    "overlap": {"disable_overlap_schedule": False, "async_scheduling": False, "num_continuous_decode_steps": None},
+    "async": {"disable_overlap_schedule": False, "async_scheduling": True, "num_continuous_decode_steps": None},
 }
+
+
+def schedule_fields(name: str) -> dict:
+    """The engine fields of a ``--schedules`` entry (:data:`SCHEDULES`, or ``cdsN``)."""
+    if name in SCHEDULES:
+        return SCHEDULES[name]
+    if name.startswith("cds") and name[3:].isdigit() and int(name[3:]) >= 1:
+        return {**SCHEDULES["overlap"], "num_continuous_decode_steps": int(name[3:])}
+    raise ValueError(f"schedule {name!r}: one of {', '.join(SCHEDULES)} or cdsN (N >= 1)")
 
 
 def build_planner(adaptive: bool, planner_widths: str | None) -> str:
@@ -235,6 +247,7 @@ def measure(
         ],
         step_seconds=s.step_s,
         prefill_seconds=s.prefill_s,
+        admissions_held=s.admissions_held,
         planner_state=eng.planner.state() if eng.planner.adapts else {},
         step_ms_by_shape={k: [n, round(1e3 * t / n, 3)] for k, (n, t) in sorted(s.step_s_by_shape.items())},
         device_ms_by_shape={k: [n, round(1e3 * t / n, 3)] for k, (n, t) in sorted(s.device_s_by_shape.items())},
@@ -279,6 +292,7 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
         round_widths=[x for r in rows for x in r.round_widths],
         step_seconds=sum(r.step_seconds for r in rows),
         prefill_seconds=sum(r.prefill_seconds for r in rows),
+        admissions_held=sum(r.admissions_held for r in rows),
         planner_state=rows[-1].planner_state,
         step_ms_by_shape=rows[-1].step_ms_by_shape,
         device_ms_by_shape=rows[-1].device_ms_by_shape,
@@ -356,7 +370,7 @@ def run(
         sfx += " synthetic" if (engine_kw or {}).get("synthetic_acceptance") else ""
         planners = [("off", "")] + [("auto", " adaptive")] * adaptive  # (measure's planner, the row's label)
         planners += [(f"auto:{planner_widths}", f" adaptive+w{planner_widths}")] * bool(adaptive and planner_widths)
-        for o, osfx in [(SCHEDULES[k], f" {k}") for k in schedules.split(",")] if schedules else [(None, "")]:
+        for o, osfx in [(schedule_fields(k), f" {k}") for k in schedules.split(",")] if schedules else [(None, "")]:
             configs += [("target" + sfx + osfx, None, 1, False, "off", a, o)] + [
                 (f"dflash2 w={w} {v}{label}{sfx}{osfx}", draft, w, v == "block", p, a, o)
                 for p, label in planners

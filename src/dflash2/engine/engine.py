@@ -115,6 +115,14 @@ class EngineConfig:
     # ends runs one wasted row; KV held a block further ahead), and N is read back and committed while N + 1
     # runs: the device need not wait for the host between steps. Off by default until measured on a GPU
     async_scheduling: bool = False
+    # SGLang's flag: while requests decode, new ones are admitted (and prefilled) once every this many decode
+    # steps, so requests that finish a few steps apart share one prefill; 1: at every step. None (auto): where
+    # the runner prices a prefill replay (CUDA graphs), an admission waits until the rows its requests leave
+    # idle have cost about one replay (LLMEngine._admits_now), else every step. Why: speculative requests
+    # finish apart, and at the 8B shape each trickled admission is a prefill replay of its own (141 replays
+    # against the target alone's 32 at 32 requests on the H100, 4.0 s of prefill against 1.2 s:
+    # docs/benchmarks.md, fifty-fourth session)
+    num_continuous_decode_steps: int | None = None
 
     def admits(self, sampling: SamplingParams) -> bool:
         """Whether a request of this kind (greedy or sampled) has step graphs here (``graph_sampling``)."""
@@ -143,6 +151,8 @@ class EngineConfig:
             raise ValueError(f"runner must be auto, paged or static, got {self.runner!r}")
         if self.max_total_tokens < self.page_size:
             raise ValueError(f"KV budget {self.max_total_tokens} tokens is smaller than one page")
+        if self.num_continuous_decode_steps is not None and self.num_continuous_decode_steps < 1:
+            raise ValueError(f"--num-continuous-decode-steps must be >= 1, got {self.num_continuous_decode_steps}")
         if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
             raise ValueError(f"--chunked-prefill-size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
         if self.sampler_backend not in ("auto", "sort", "triton", "triton-fused"):
@@ -173,6 +183,9 @@ class EngineConfig:
         parse_schedule(self.speculative_width_schedule, self.num_draft_tokens)
 
 
+# num_continuous_decode_steps auto: the most decode steps an admission round waits (a new request's first token
+# comes at most this many steps later than it could)
+ADMIT_WAIT_STEPS = 8
 GRAPH_PAGE = 64  # the static runner's page: the live kernel's key tile
 ATTENTION_BACKENDS = {"auto": None, "triton": "live", "torch_native": "sdpa"}  # flag -> StaticTarget's name
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 300.0)
@@ -250,6 +263,7 @@ class EngineStats:
     overlap_s: float = 0.0  # what the work run inside steps (prefills) added to their wall (OverlapClock)
     wait_s: float = 0.0  # the host blocked at steps' read-backs, waiting for the device (StepOutput.wait_s)
     prefill_s: float = 0.0  # prefill chunks, first tokens included
+    admissions_held: int = 0  # steps whose admission round waited for more requests to share a prefill
     steps_by_width: dict[int, int] = field(default_factory=dict)  # the widths verified
     steps_trimmed: int = 0  # drafting steps verified narrower than drafted (Planner.trim)
     # "bucket x width" -> [steps, seconds] (width 0: the target alone, no drafter upkeep); what the
@@ -299,6 +313,9 @@ class LLMEngine:
         # (bucket, whether a request admitted there drafts): the next admission round's answer, priced
         # during this step (auto: the answer depends on the bucket alone)
         self._admit_ahead: tuple[int, bool] | None = None
+        self._since_admit = 0  # decode steps since an admission round last admitted (num_continuous_decode_steps)
+        self._idle_s = 0.0  # since then: seconds of rows left idle while requests waited (_admits_now)
+        self._row_s = 0.0  # the last decode step's seconds per row
         self._drafted_at = 0  # the bucket of the last step where every request drafted (0: none since a plain one)
         self._pending: PendingStep | None = None  # the last step, read back, its commit deferred (overlap schedule)
         self._inflight: InFlight | None = None  # the last step, launched, not read back (async scheduling)
@@ -659,9 +676,35 @@ class LLMEngine:
                     if req.request_id == rid:
                         self._finish(req, "abort")
             self._aborts.clear()
+            if not self._admits_now():
+                return
             admitted = self.scheduler.admit(self._speculation() if self.draft is not None else None)
+            if admitted:
+                self._since_admit, self._idle_s = 0, 0.0
             self.stats.requests_not_drafting += sum(not r.speculate for r in admitted if not r.num_preemptions)
             self.prefilling.extend(admitted)
+
+    def _admits_now(self) -> bool:
+        """Whether this step's admission round runs (``num_continuous_decode_steps``): always where nothing
+        waits or nothing decodes; fixed, once that many decode steps have run since the last round that
+        admitted; auto, once the rows that waiting requests could fill have stood idle for about one prefill
+        replay's time (each idle row a step: the last step's seconds per row), or ``ADMIT_WAIT_STEPS``
+        decode steps have run. The wait-or-pay rule of ski rental: admitting at once pays a replay per
+        trickled request, waiting pays idle rows; this pays at most twice the better of the two."""
+        sched, n = self.scheduler, self.cfg.num_continuous_decode_steps
+        if not sched.waiting or not any(r not in self.prefilling for r in sched.running):
+            return True
+        if n is not None:
+            return self._since_admit >= n
+        price = getattr(self.runner, "prefill_replay_s", 0.0)
+        if not price or self.tp is not None or self._since_admit >= ADMIT_WAIT_STEPS:  # (ranks admit alike)
+            return True
+        idle = min(len(sched.waiting), sched.max_running - len(sched.running))
+        self._idle_s += idle * self._row_s
+        if idle <= 0 or self._idle_s >= price:  # (no room: the round admits nothing anyway)
+            return True
+        self.stats.admissions_held += 1
+        return False
 
     def _speculation(self) -> Callable[[int], bool]:
         """``speculate(n)`` for one round of admissions: whether a request that makes ``n`` running
@@ -754,6 +797,7 @@ class LLMEngine:
         planner's counts: at once, or (the overlap schedule, :meth:`_defers`) inside the next step; under
         async scheduling (:meth:`_launches_ahead`) the step is launched before the last one is read back."""
         prev, self._pending = self._pending, None
+        self._since_admit += 1
         defer = self._defers(reqs)
         early = defer and self._launches_ahead()  # async scheduling: launched before the last step's read-back
         if not early:
@@ -1007,6 +1051,7 @@ class LLMEngine:
         s = self.stats
         s.step_s += seconds
         s.overlap_s += out.overlap_s
+        self._row_s = seconds / len(reqs)
         key = f"{bucket}x{0 if plain else width}"
         shape = s.step_s_by_shape.setdefault(key, [0, 0.0])
         shape[0], shape[1] = shape[0] + 1, shape[1] + seconds

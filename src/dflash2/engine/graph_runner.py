@@ -396,6 +396,20 @@ class GraphModelRunner:
             self.prefill_graphed, self.prefill_graphs = False, {}
             for T in self.prefill_tokens:
                 self._capture_prefill(T)
+        # what one more prefill replay costs the running requests (LLMEngine._admits_now); 0: not priced
+        self.prefill_replay_s = self._time_prefill() if self.prefill_graphed and self.prefill_graphs else 0.0
+
+    def _time_prefill(self, repeats: int = 3) -> float:
+        """Seconds of the smallest packed prefill replay (with the drafter's latents where there is a
+        drafter), synchronised, at start-up (its rows the idle slots' scratch, as the capture's were):
+        the part of a prefill that two prompts prefilled together pay once."""
+        replay, _ = self.prefill_graphs[(self.prefill_tokens[0], self.draft is not None)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            replay()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / repeats
 
     # ---- slots --------------------------------------------------------------------------------
     def _index(self, reqs: list[Request], slack: int = 0) -> tuple[torch.Tensor | slice, int, int]:

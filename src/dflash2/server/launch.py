@@ -50,6 +50,14 @@ def add_serve_parser(sub) -> None:
         help="(vLLM's flag) launch each decode step before the last one is read back, where the overlap schedule "
         "applies: the device need not wait for the host between steps (off by default until measured on a GPU)",
     )
+    p.add_argument(
+        "--num-continuous-decode-steps",
+        type=steps_or_auto,
+        default=None,
+        help="while requests decode, admit (and prefill) new ones once every this many decode steps, so "
+        "requests finishing a few steps apart share one prefill (1: every step); default auto: with CUDA "
+        "graphs, wait while the rows left idle cost less than one prefill replay (at most 8 steps), else 1",
+    )
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--speculative-draft-kv-cache-dtype", default="auto")
     add_tp_flag(p)
@@ -102,6 +110,15 @@ def token_count(value: str) -> int:
         raise argparse.ArgumentTypeError(f"{value!r}: a token count such as 4096, 32k or 128K")
     scale = {"": 1, "k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}[m.group(2)]
     return int(m.group(1)) * scale
+
+
+def steps_or_auto(value: str) -> int | None:
+    """``--num-continuous-decode-steps``: ``auto`` (None) or a step count >= 1."""
+    if value.strip() == "auto":
+        return None
+    if not value.strip().isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: auto or a number of decode steps >= 1")
+    return int(value)
 
 
 def flag_notes(args) -> list[str]:
@@ -182,6 +199,7 @@ def engine_config(args, target, draft, width: int):
         enable_mixed_chunk=args.enable_mixed_chunk,
         disable_overlap_schedule=args.disable_overlap_schedule,
         async_scheduling=args.async_scheduling,
+        num_continuous_decode_steps=args.num_continuous_decode_steps,
         speculative_planner=args.speculative_planner,
         speculative_trim=args.enable_speculative_trim,
         speculative_planner_widths=args.speculative_planner_widths,
