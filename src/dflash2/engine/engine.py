@@ -117,8 +117,8 @@ class EngineConfig:
     async_scheduling: bool = False
     # SGLang's flag: while requests decode, new ones are admitted (and prefilled) once every this many decode
     # steps, so requests that finish a few steps apart share one prefill; 1: at every step. None (auto): where
-    # the runner prices a prefill replay (CUDA graphs), an admission waits until the rows its requests leave
-    # idle have cost about one replay (LLMEngine._admits_now), else every step. Why: speculative requests
+    # the runner prices a prefill replay (CUDA graphs), an admission waits while a step's wait is expected to
+    # save more than the rows it leaves idle cost (LLMEngine._admits_now), else every step. Why: speculative requests
     # finish apart, and at the 8B shape each trickled admission is a prefill replay of its own (141 replays
     # against the target alone's 32 at 32 requests on the H100, 4.0 s of prefill against 1.2 s:
     # docs/benchmarks.md, fifty-fourth session)
@@ -186,6 +186,8 @@ class EngineConfig:
 # num_continuous_decode_steps auto: the most decode steps an admission round waits (a new request's first token
 # comes at most this many steps later than it could)
 ADMIT_WAIT_STEPS = 8
+ADMIT_MARGIN = 2.0  # ... and waits only where a step's expected saving is this many times its cost
+ADMIT_RATE_DECAY = 0.9  # per decode step, on the averages of requests finished and arrived
 GRAPH_PAGE = 64  # the static runner's page: the live kernel's key tile
 ATTENTION_BACKENDS = {"auto": None, "triton": "live", "torch_native": "sdpa"}  # flag -> StaticTarget's name
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 300.0)
@@ -314,8 +316,9 @@ class LLMEngine:
         # during this step (auto: the answer depends on the bucket alone)
         self._admit_ahead: tuple[int, bool] | None = None
         self._since_admit = 0  # decode steps since an admission round last admitted (num_continuous_decode_steps)
-        self._idle_s = 0.0  # since then: seconds of rows left idle while requests waited (_admits_now)
-        self._row_s = 0.0  # the last decode step's seconds per row
+        self._row_s = 0.0  # the last decode step's seconds per row (_admits_now)
+        # requests finished and arrived per decode step (averages), and the counts they were last taken at
+        self._finish_rate, self._arrival_rate, self._counted, self._arrived = 0.0, 0.0, (0, 0), 0
         self._drafted_at = 0  # the bucket of the last step where every request drafted (0: none since a plain one)
         self._pending: PendingStep | None = None  # the last step, read back, its commit deferred (overlap schedule)
         self._inflight: InFlight | None = None  # the last step, launched, not read back (async scheduling)
@@ -443,6 +446,7 @@ class LLMEngine:
             req.sampling = dataclasses.replace(req.sampling, seed=draw_seed())
         self._seat(req)
         with self.lock:
+            self._arrived += 1
             if self.tp is None:
                 self.scheduler.add(req)
             else:
@@ -680,17 +684,22 @@ class LLMEngine:
                 return
             admitted = self.scheduler.admit(self._speculation() if self.draft is not None else None)
             if admitted:
-                self._since_admit, self._idle_s = 0, 0.0
+                self._since_admit = 0
             self.stats.requests_not_drafting += sum(not r.speculate for r in admitted if not r.num_preemptions)
             self.prefilling.extend(admitted)
 
     def _admits_now(self) -> bool:
         """Whether this step's admission round runs (``num_continuous_decode_steps``): always where nothing
         waits or nothing decodes; fixed, once that many decode steps have run since the last round that
-        admitted; auto, once the rows that waiting requests could fill have stood idle for about one prefill
-        replay's time (each idle row a step: the last step's seconds per row), or ``ADMIT_WAIT_STEPS``
-        decode steps have run. The wait-or-pay rule of ski rental: admitting at once pays a replay per
-        trickled request, waiting pays idle rows; this pays at most twice the better of the two."""
+        admitted; auto, where one more step's wait costs more than it is expected to save, by a margin
+        (``ADMIT_MARGIN``), or ``ADMIT_WAIT_STEPS`` decode steps have run. A step's wait costs the rows the
+        waiting requests could fill (each the last step's seconds per row); it saves a prefill replay
+        (the runner's price) where one more request joins them meanwhile: the requests that finish a step
+        where more wait than fit, else the requests that arrive a step (averages over the decode steps).
+        Why the margin: two prompts prefilled together still pay for their tokens, and the rates are
+        averages of clumpy events; on the H100 at 8 requests of the 8B shape an admission that waited
+        while idle rows had cost less than one replay (no rate) served 0.95-0.98x of admitting at once
+        (fifty-fifth session)."""
         sched, n = self.scheduler, self.cfg.num_continuous_decode_steps
         if not sched.waiting or not any(r not in self.prefilling for r in sched.running):
             return True
@@ -699,12 +708,23 @@ class LLMEngine:
         price = getattr(self.runner, "prefill_replay_s", 0.0)
         if not price or self.tp is not None or self._since_admit >= ADMIT_WAIT_STEPS:  # (ranks admit alike)
             return True
-        idle = min(len(sched.waiting), sched.max_running - len(sched.running))
-        self._idle_s += idle * self._row_s
-        if idle <= 0 or self._idle_s >= price:  # (no room: the round admits nothing anyway)
+        free = sched.max_running - len(sched.running)
+        idle = min(len(sched.waiting), free)
+        joiners = self._finish_rate if len(sched.waiting) > free else self._arrival_rate
+        if idle <= 0 or ADMIT_MARGIN * idle * self._row_s >= joiners * price:  # (no room: it admits nothing)
             return True
         self.stats.admissions_held += 1
         return False
+
+    def _count_rates(self) -> None:
+        """Per decode step, the averages of the requests that finished and arrived (:meth:`_admits_now`)."""
+        s = self.stats
+        done, arrived = s.completed + s.aborted + s.failed, self._arrived
+        a = ADMIT_RATE_DECAY
+        # (at least 0: a benchmark swaps in fresh stats between rows)
+        self._finish_rate = a * self._finish_rate + (1 - a) * max(0, done - self._counted[0])
+        self._arrival_rate = a * self._arrival_rate + (1 - a) * max(0, arrived - self._counted[1])
+        self._counted = (done, arrived)
 
     def _speculation(self) -> Callable[[int], bool]:
         """``speculate(n)`` for one round of admissions: whether a request that makes ``n`` running
@@ -798,6 +818,7 @@ class LLMEngine:
         async scheduling (:meth:`_launches_ahead`) the step is launched before the last one is read back."""
         prev, self._pending = self._pending, None
         self._since_admit += 1
+        self._count_rates()
         defer = self._defers(reqs)
         early = defer and self._launches_ahead()  # async scheduling: launched before the last step's read-back
         if not early:
