@@ -208,6 +208,13 @@ def test_overlap_schedule_flag_reaches_the_engine():
     assert engine_config(parse("--disable-overlap-schedule"), t, None, 1).disable_overlap_schedule
     assert not engine_config(parse(), t, None, 1).async_scheduling
     assert engine_config(parse("--async-scheduling"), t, None, 1).async_scheduling
+    # SGLang's --num-continuous-decode-steps: auto by default (None), a count >= 1, else a clear error
+    assert engine_config(parse(), t, None, 1).num_continuous_decode_steps is None
+    assert engine_config(parse("--num-continuous-decode-steps", "auto"), t, None, 1).num_continuous_decode_steps is None
+    assert engine_config(parse("--num-continuous-decode-steps", "4"), t, None, 1).num_continuous_decode_steps == 4
+    for bad in ("0", "-2", "four"):
+        with pytest.raises(SystemExit):
+            parse("--num-continuous-decode-steps", bad)
 
 
 def _client(url):
