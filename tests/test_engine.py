@@ -871,20 +871,36 @@ def test_continuous_decode_steps_admit_every_n_steps(llama, monkeypatch, steps):
     eng.run_until_done()
     gaps = [b[0] - a[0] for a, b in zip(rounds, rounds[1:]) if b[1]]  # rounds while others decoded
     assert gaps and min(gaps) >= steps, rounds
-    if steps > 1:  # some round admitted two requests that finished apart, or it waited for nothing
-        assert eng.stats.admissions_held == 0 and len(rounds) < 9, rounds
+    if steps > 1:  # some round admitted two requests that finished apart
+        assert eng.stats.admissions_held > 0 and len(rounds) < 9, rounds
     for p, r in zip(prompts, reqs):
         assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
     with pytest.raises(ValueError, match="num-continuous-decode-steps"):
         EngineConfig(num_continuous_decode_steps=0)
 
 
-def test_auto_admission_waits_while_idle_rows_cost_less_than_a_prefill(llama, monkeypatch):
-    """Auto (the default): where the runner prices a prefill replay, an admission round waits while one
-    more step's wait is expected to save more (a replay, where a request joins: requests finish every few
-    steps here, more waiting than fit) than the rows it leaves idle cost, and at most ADMIT_WAIT_STEPS
-    decode steps; unpriced (the CPU's runners) or cheap, the rounds of ``--num-continuous-decode-steps 1``.
-    The price is injected."""
+def test_admission_interval_weighs_a_prefill_replay_against_idle_rows():
+    """The auto interval between admission rounds, a pure function: 1 where nothing joins or a replay is cheap
+    against the rows that would wait; longer, up to ADMIT_MAX_INTERVAL, as the replay's price grows against a
+    row's step cost or as requests join faster (the 8B shape's H100 costs: 8 ms a replay)."""
+    from dflash2.engine.engine import ADMIT_MAX_INTERVAL, admission_interval
+
+    assert admission_interval(0.008, 0.0, 0.0013) == 1  # nothing joins: no round to merge with
+    assert admission_interval(1e-6, 1.0, 0.0004) == 1  # a replay costs nothing
+    assert admission_interval(1.0, 1.0, 0.0004) == ADMIT_MAX_INTERVAL
+    # 32 requests of 13.4 ms steps, one finishing a step: a few steps; a small model's replay (1 ms) at 8
+    # requests of 2.6 ms steps, one finishing every ~4 steps: every step
+    assert 1 < admission_interval(0.009, 1.0, 0.0134 / 32) <= ADMIT_MAX_INTERVAL
+    assert admission_interval(0.001, 0.27, 0.0026 / 8) == 1
+    widths = [admission_interval(0.009, r, 0.0134 / 32) for r in (0.05, 0.2, 0.5, 1.0)]
+    assert widths == sorted(widths) and widths[0] < widths[-1]
+
+
+def test_auto_admission_rounds_come_every_priced_interval(llama, monkeypatch):
+    """Auto (the default): where the runner prices a prefill replay, admission rounds come every
+    ``admission_interval`` decode steps (requests finish every few steps here, more waiting than fit): a
+    replay priced far above a step's rows, the longest interval, once a request has finished; unpriced (the
+    CPU's runners) or cheap, the rounds of ``--num-continuous-decode-steps 1``. The price is injected."""
     from dflash2.engine import engine as engine_mod
 
     t, d = llama
@@ -906,10 +922,10 @@ def test_auto_admission_waits_while_idle_rows_cost_less_than_a_prefill(llama, mo
             assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
         runs[price] = (rounds, eng.stats.admissions_held)
     assert runs[0.0] == runs[1e-12] == runs[None] and runs[None][1] == 0
-    # never worth a replay: each round at the cap, once a request has finished (before that none joins)
+    # a replay worth any wait: each round at the longest interval, once a request has finished (none joins before)
     rounds, held = runs[1e9]
     gaps = [b[0] - a[0] for a, b in zip(rounds, rounds[1:]) if b[1]]
-    assert len(gaps) > 1 and min(gaps[1:]) >= engine_mod.ADMIT_WAIT_STEPS and held > 0, rounds
+    assert len(gaps) > 1 and min(gaps[1:]) >= engine_mod.ADMIT_MAX_INTERVAL and held > 0, rounds
     assert len(rounds) < len(runs[None][0])
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import math
 import threading
 import time
 import warnings
@@ -25,7 +26,14 @@ import torch
 
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
-from .graph_runner import GraphModelRunner, Launched, cuda_graphs_apply, static_bytes, static_supported
+from .graph_runner import (
+    PACKED_MAX_TOKENS,
+    GraphModelRunner,
+    Launched,
+    cuda_graphs_apply,
+    static_bytes,
+    static_supported,
+)
 from .model_runner import ModelRunner, tune_cpu_malloc
 from .planner import Planner, PlannerConfig, cached_profile, parse_schedule, parse_widths
 from .request import Request, prefill_ids
@@ -117,11 +125,10 @@ class EngineConfig:
     async_scheduling: bool = False
     # SGLang's flag: while requests decode, new ones are admitted (and prefilled) once every this many decode
     # steps, so requests that finish a few steps apart share one prefill; 1: at every step. None (auto): where
-    # the runner prices a prefill replay (CUDA graphs), an admission waits while a step's wait is expected to
-    # save more than the rows it leaves idle cost (LLMEngine._admits_now), else every step. Why: speculative requests
-    # finish apart, and at the 8B shape each trickled admission is a prefill replay of its own (141 replays
-    # against the target alone's 32 at 32 requests on the H100, 4.0 s of prefill against 1.2 s:
-    # docs/benchmarks.md, fifty-fourth session)
+    # the runner prices a prefill replay (CUDA graphs: timed at start-up), the interval of least expected cost
+    # (admission_interval), else every step. Why: speculative requests finish apart, and at the 8B shape each
+    # trickled admission is a prefill replay of its own (141 replays against the target alone's 32 at 32
+    # requests on the H100, 4.0 s of prefill against 1.2 s: docs/benchmarks.md, fifty-fourth session)
     num_continuous_decode_steps: int | None = None
 
     def admits(self, sampling: SamplingParams) -> bool:
@@ -183,14 +190,26 @@ class EngineConfig:
         parse_schedule(self.speculative_width_schedule, self.num_draft_tokens)
 
 
-# num_continuous_decode_steps auto: the most decode steps an admission round waits (a new request's first token
-# comes at most this many steps later than it could)
-ADMIT_WAIT_STEPS = 8
-ADMIT_MARGIN = 2.0  # ... and waits only where a step's expected saving is this many times its cost
+# num_continuous_decode_steps auto: the longest interval between admission rounds (admission_interval)
+ADMIT_MAX_INTERVAL = 4
 ADMIT_RATE_DECAY = 0.9  # per decode step, on the averages of requests finished and arrived
 GRAPH_PAGE = 64  # the static runner's page: the live kernel's key tile
 ATTENTION_BACKENDS = {"auto": None, "triton": "live", "torch_native": "sdpa"}  # flag -> StaticTarget's name
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 300.0)
+
+
+def admission_interval(price_s: float, rate: float, row_s: float) -> int:
+    """Decode steps between admission rounds, 1 .. ``ADMIT_MAX_INTERVAL``, of least cost a step in the steady
+    state: a round with a request in it pays a prefill replay (``price_s``: its part that prompts prefilled
+    together pay once), and requests that join at ``rate`` a step wait ``rate * m / 2`` rows on average, each
+    costing ``row_s`` a step (the throughput its row would have had). Why: speculative requests finish
+    apart, so admitted every step each was a replay of its own (8B shape, 32 requests, acceptance 0.5 on the
+    H100: 103 replays against the target alone's 24, 0.97x of it). Simulated on the 8B shape's measured costs
+    (scripts/admission_sim.py, 20 seeds) it is at or above every fixed interval 1-4 within 0.5% at 8-64
+    requests, and, with costs scaled to a small model, never below admitting every step; a rule that waited
+    while idle rows had cost less than one replay lost 2-5% at 8 requests on the H100 (fifty-fifth session)."""
+    cost = {m: price_s * (1 - math.exp(-rate * m)) / m + rate * m * row_s / 2 for m in range(1, ADMIT_MAX_INTERVAL + 1)}
+    return min(cost, key=cost.__getitem__)
 
 
 def mixed_chunk_default(paged: bool, device: torch.device, disable_cuda_graph: bool) -> bool:
@@ -690,28 +709,24 @@ class LLMEngine:
 
     def _admits_now(self) -> bool:
         """Whether this step's admission round runs (``num_continuous_decode_steps``): always where nothing
-        waits or nothing decodes; fixed, once that many decode steps have run since the last round that
-        admitted; auto, where one more step's wait costs more than it is expected to save, by a margin
-        (``ADMIT_MARGIN``), or ``ADMIT_WAIT_STEPS`` decode steps have run. A step's wait costs the rows the
-        waiting requests could fill (each the last step's seconds per row); it saves a prefill replay
-        (the runner's price) where one more request joins them meanwhile: the requests that finish a step
-        where more wait than fit, else the requests that arrive a step (averages over the decode steps).
-        Why the margin: two prompts prefilled together still pay for their tokens, and the rates are
-        averages of clumpy events; on the H100 at 8 requests of the 8B shape an admission that waited
-        while idle rows had cost less than one replay (no rate) served 0.95-0.98x of admitting at once
-        (fifty-fifth session)."""
+        waits or nothing decodes; else once that many decode steps have run since the last round that
+        admitted, auto: :func:`admission_interval` of the runner's prefill replay price (none: every step),
+        the rate requests join (those finishing, where more wait than fit; else those arriving) and the last
+        step's seconds per row."""
         sched, n = self.scheduler, self.cfg.num_continuous_decode_steps
         if not sched.waiting or not any(r not in self.prefilling for r in sched.running):
             return True
-        if n is not None:
-            return self._since_admit >= n
-        price = getattr(self.runner, "prefill_replay_s", 0.0)
-        if not price or self.tp is not None or self._since_admit >= ADMIT_WAIT_STEPS:  # (ranks admit alike)
-            return True
-        free = sched.max_running - len(sched.running)
-        idle = min(len(sched.waiting), free)
-        joiners = self._finish_rate if len(sched.waiting) > free else self._arrival_rate
-        if idle <= 0 or ADMIT_MARGIN * idle * self._row_s >= joiners * price:  # (no room: it admits nothing)
+        if n is None:
+            price = getattr(self.runner, "prefill_replay_s", 0.0)
+            # (no step timed yet, or its prefill's share took all of it; under --tp ranks must admit alike)
+            if not price or self._row_s <= 0 or self.tp is not None:
+                return True
+            free = sched.max_running - len(sched.running)
+            if sum(len(prefill_ids(r)) for r in list(sched.waiting)[:free]) >= PACKED_MAX_TOKENS:
+                return True  # (they fill a packed replay already: one who joins would need another)
+            deep = len(sched.waiting) > free
+            n = admission_interval(price, self._finish_rate if deep else self._arrival_rate, self._row_s)
+        if n <= 1 or self._since_admit >= n:
             return True
         self.stats.admissions_held += 1
         return False

@@ -56,7 +56,8 @@ def add_serve_parser(sub) -> None:
         default=None,
         help="while requests decode, admit (and prefill) new ones once every this many decode steps, so "
         "requests finishing a few steps apart share one prefill (1: every step); default auto: with CUDA "
-        "graphs, wait while the rows left idle cost less than one prefill replay (at most 8 steps), else 1",
+        "graphs, the interval (1-4) of least expected cost from a prefill replay's price, the rate requests "
+        "join and a step's cost per row; else 1",
     )
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--speculative-draft-kv-cache-dtype", default="auto")
