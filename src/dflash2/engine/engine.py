@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import logging
 import math
 import threading
@@ -205,9 +206,11 @@ def admission_interval(price_s: float, rate: float, row_s: float) -> int:
     costing ``row_s`` a step (the throughput its row would have had). Why: speculative requests finish
     apart, so admitted every step each was a replay of its own (8B shape, 32 requests, acceptance 0.5 on the
     H100: 103 replays against the target alone's 24, 0.97x of it). Simulated on the 8B shape's measured costs
-    (scripts/admission_sim.py, 20 seeds) it is at or above every fixed interval 1-4 within 0.5% at 8-64
-    requests, and, with costs scaled to a small model, never below admitting every step; a rule that waited
-    while idle rows had cost less than one replay lost 2-5% at 8 requests on the H100 (fifty-fifth session)."""
+    (scripts/admission_sim.py, 20 seeds) it is within 0.7% of the best fixed interval 1-4 at 8-64 requests
+    (1.010x of the target alone at 32, 0.5, against 0.956x admitting every step), and, with costs scaled to a
+    small model's, never below admitting every step; a rule that waited while idle rows had cost less than
+    one replay lost 2-5% at 8 requests on the H100 (fifty-fifth session; this rule is not measured on a device
+    yet)."""
     cost = {m: price_s * (1 - math.exp(-rate * m)) / m + rate * m * row_s / 2 for m in range(1, ADMIT_MAX_INTERVAL + 1)}
     return min(cost, key=cost.__getitem__)
 
@@ -722,7 +725,7 @@ class LLMEngine:
             if not price or self._row_s <= 0 or self.tp is not None:
                 return True
             free = sched.max_running - len(sched.running)
-            if sum(len(prefill_ids(r)) for r in list(sched.waiting)[:free]) >= PACKED_MAX_TOKENS:
+            if sum(len(prefill_ids(r)) for r in itertools.islice(sched.waiting, free)) >= PACKED_MAX_TOKENS:
                 return True  # (they fill a packed replay already: one who joins would need another)
             deep = len(sched.waiting) > free
             n = admission_interval(price, self._finish_rate if deep else self._arrival_rate, self._row_s)
