@@ -74,9 +74,8 @@ class ConcurrencyRow:
 # keeps them for the rows after; admissions as by default); "cdsN": the overlap schedule admitting once every N
 # decode steps (``--num-continuous-decode-steps N``)
 SCHEDULES: dict[str, dict] = {
-    "no-overlap": {"disable_overlap_schedule": True, "async_scheduling": False, "num_continuous_decode_steps": None},
-    "overlap": {"disable_overlap_schedule": False, "async_scheduling": False, "num_continuous_decode_steps": None},
-    "async": {"disable_overlap_schedule": False, "async_scheduling": True, "num_continuous_decode_steps": None},
+    name: {"disable_overlap_schedule": off, "async_scheduling": ahead, "num_continuous_decode_steps": None}
+    for name, off, ahead in (("no-overlap", True, False), ("overlap", False, False), ("async", False, True))
 }
 
 

@@ -717,7 +717,7 @@ class LLMEngine:
         the rate requests join (those finishing, where more wait than fit; else those arriving) and the last
         step's seconds per row."""
         sched, n = self.scheduler, self.cfg.num_continuous_decode_steps
-        if not sched.waiting or not any(r not in self.prefilling for r in sched.running):
+        if not sched.waiting or len(sched.running) <= len(self.prefilling):  # (prefilling: running, prompt not in)
             return True
         if n is None:
             price = getattr(self.runner, "prefill_replay_s", 0.0)
@@ -836,7 +836,8 @@ class LLMEngine:
         async scheduling (:meth:`_launches_ahead`) the step is launched before the last one is read back."""
         prev, self._pending = self._pending, None
         self._since_admit += 1
-        self._count_rates()
+        if self.cfg.num_continuous_decode_steps is None:  # (only auto reads the rates)
+            self._count_rates()
         defer = self._defers(reqs)
         early = defer and self._launches_ahead()  # async scheduling: launched before the last step's read-back
         if not early:
