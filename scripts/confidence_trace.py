@@ -64,7 +64,7 @@ class TracingProposer:
         # the path scores of each slot given the chosen predecessor, at temperature 1
         W = sel.pair_weights(out.hidden, cand)[0]  # [g, k, r]
         prev = torch.cat([torch.tensor([anchor]), sel_out.tokens[0, :-1]])
-        S = U[0].float() + torch.einsum("tkr,tr->tk", W, sel.predecessor_codebook[prev].float())  # [g, k]
+        S = U[0].float() + torch.einsum("tkr,tr->tk", W, sel.predecessor(prev).float())  # [g, k]
         chosen = (cand[0] == sel_out.tokens[0, :, None]).float().argmax(-1)
         probs = S.softmax(-1)
         top2 = S.topk(2, dim=-1).values

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from targets import build
+from dflash2.config import ConfigError
 from dflash2.model import DFlash2DraftModel
 from dflash2.model.checkpoint import load_draft
 from dflash2.target import TargetModel
@@ -148,6 +149,29 @@ def test_train_end_to_end(tmp_path):
     h2 = train(tc2, target=target)["history"]
     assert h2[0]["ce"] < first - 0.5 and all(0 < r["kl"] < 50 for r in h2)
     assert all(0 < r["selector_kl"] < 20 for r in h2)
+    # a grown drafter (codebooks over a token map, a layer and rank more) trains on from where it was
+    from dflash2.model.checkpoint import save_draft
+    from dflash2.training.grow import grow_draft
+
+    vocab = draft.config.vocab_size
+    save_draft(grow_draft(draft, torch.arange(0, vocab, 2), 12, 2), tmp_path / "grown")
+    tc3 = TrainConfig(
+        **{**tc2.__dict__, "output_dir": str(tmp_path / "grown_out"), "init_from": str(tmp_path / "grown")}
+    )
+    h3 = train(tc3, target=target)["history"]
+    assert h3[0]["ce"] < first - 0.5 and load_draft(tmp_path / "grown_out").config.selector_vocab_size == vocab // 2 + 1
+    with pytest.raises(ConfigError, match="selector_vocab_size"):  # from scratch: nothing to map its rows
+        train(
+            TrainConfig(
+                **{
+                    **tc.__dict__,
+                    "resume": False,
+                    "output_dir": str(tmp_path / "scratch"),
+                    "draft_config": {**TINY_DRAFT, "selector_vocab_size": 4},
+                }
+            ),
+            target=target,
+        )
 
 
 def test_training_prompts_and_generated_data():

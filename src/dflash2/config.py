@@ -29,7 +29,10 @@ DFLASH_KEYS = (
     "selector_top_k",
     "output_multiplier",
     "final_logit_softcapping",
+    "selector_vocab_size",
 )
+# dflash_config keys written only when set (a checkpoint in the published layout has none of them)
+OPTIONAL_DFLASH_KEYS = ("selector_vocab_size",)
 MAX_BLOCK_SIZE = 64  # the published drafter uses 5; the verify block and its buffers grow with it
 REQUIRED = (
     "hidden_size",
@@ -71,6 +74,10 @@ class DFlash2Config:
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 32
+    # rows of the selector's two codebooks; None: one per vocabulary token (the published layout). Fewer:
+    # the checkpoint's ``candidate_selector.codebook_rows`` maps each token to its row (a token map's ids
+    # their own rows, every other token one shared row), so the same bytes hold a higher rank or a layer more
+    selector_vocab_size: int | None = None
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     rms_norm_eps: float = 1e-6
@@ -137,7 +144,9 @@ class DFlash2Config:
         out["architectures"] = ["DFlash2DraftModel"]
         out["model_type"] = out.get("model_type", "dflash2")
         out.setdefault("layer_types", ["sliding_attention"] * self.num_hidden_layers)
-        out["dflash_config"] = {k: getattr(self, k) for k in DFLASH_KEYS}
+        out["dflash_config"] = {
+            k: getattr(self, k) for k in DFLASH_KEYS if k not in OPTIONAL_DFLASH_KEYS or getattr(self, k) is not None
+        }
         return out
 
     def save(self, path: str | Path) -> None:
@@ -177,6 +186,14 @@ class DFlash2Config:
             raise bad("block_size", self.block_size, "must be >= 2 (anchor plus at least one draft slot)")
         if self.selector_top_k > self.vocab_size:
             raise bad("selector_top_k", self.selector_top_k, f"must be <= vocab_size ({self.vocab_size})")
+        rows = self.selector_vocab_size
+        if rows is not None and (
+            not isinstance(rows, int) or isinstance(rows, bool) or not 0 < rows <= self.vocab_size
+        ):
+            raise bad("selector_vocab_size", rows, f"must be null or an integer in [1, vocab_size = {self.vocab_size}]")
+        types = self.extra.get("layer_types")
+        if types is not None and (not isinstance(types, list) or len(types) != self.num_hidden_layers):
+            raise bad("layer_types", types, f"must be a list of num_hidden_layers ({self.num_hidden_layers}) entries")
         ids = self.target_layer_ids
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise bad("target_layer_ids", ids, "must be a non-empty list of integers")

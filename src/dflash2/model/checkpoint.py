@@ -108,8 +108,20 @@ def load_draft(
         lines += [f"  unexpected tensor: {k}" for k in unexpected]
         lines += [f"  mis-shaped tensor: {k}" for k in misshaped]
         raise CheckpointError("\n".join(lines))
-    target_dtype = dtype or next(iter(state.values())).dtype
-    model.load_state_dict({k: v.to(device=device, dtype=target_dtype) for k, v in state.items()}, assign=True)
+    target_dtype = dtype or next(v.dtype for v in state.values() if v.is_floating_point())
+    # (integer tensors, the selector's codebook_rows, keep their type)
+    model.load_state_dict(
+        {k: v.to(device=device, dtype=target_dtype if v.is_floating_point() else v.dtype) for k, v in state.items()},
+        assign=True,
+    )
+    rows = model.candidate_selector.codebook_rows
+    if rows is not None and (
+        rows.is_floating_point() or not bool(((rows >= 0) & (rows < cfg.selector_vocab_size)).all())
+    ):
+        raise CheckpointError(
+            f"{folder}: tensor candidate_selector.codebook_rows must hold integer rows in [0, selector_vocab_size = "
+            f"{cfg.selector_vocab_size})"
+        )
     # non-persistent buffers (RoPE frequencies) are rebuilt on the real device
     model.rotary.inv_freq = rope_inv_freq(cfg)[0].float().to(device)
     return model.eval()
@@ -122,7 +134,10 @@ def save_draft(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.config.save(folder / "config.json")
-    state = OrderedDict((k, v.detach().to(dtype or v.dtype).contiguous().cpu()) for k, v in model.state_dict().items())
+    state = OrderedDict(
+        (k, v.detach().to(dtype if dtype and v.is_floating_point() else v.dtype).contiguous().cpu())
+        for k, v in model.state_dict().items()
+    )
     total = sum(v.numel() * v.element_size() for v in state.values())
     meta = {"format": "pt"}
     if max_shard_bytes is None or total <= max_shard_bytes:

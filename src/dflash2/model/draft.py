@@ -60,7 +60,9 @@ class DFlash2DraftModel(nn.Module):
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg, self.rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.candidate_selector = CandidateSelector(H, cfg.vocab_size, cfg.selector_rank, cfg.selector_top_k)
+        self.candidate_selector = CandidateSelector(
+            H, cfg.vocab_size, cfg.selector_rank, cfg.selector_top_k, cfg.selector_vocab_size
+        )
         self._token_map = None  # (ids, head rows of ids, the full head, packed rows or None); see set_token_map
         self._quantization = "none"  # of the CPU-packed Linears; see pack_cpu_linears
         self._layer_fn = None  # DraftLayer.forward through torch.compile; see compile_layers

@@ -27,13 +27,27 @@ class SelectorOutput:
 
 
 class CandidateSelector(nn.Module):
-    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
+    """``rows``: the codebooks' rows (``selector_vocab_size``); None: one per token. Fewer: the buffer
+    ``codebook_rows [vocab]`` (saved with the weights) maps each token id to its row."""
+
+    codebook_rows: torch.Tensor | None
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int, rows: int | None = None):
         super().__init__()
         self.top_k = top_k
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
-        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
-        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.predecessor_codebook = nn.Parameter(torch.empty(rows or vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(rows or vocab_size, rank))
+        self.register_buffer("codebook_rows", None if rows is None else torch.zeros(vocab_size, dtype=torch.long))
         self.reset_parameters()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The codebook row of each token id."""
+        return ids if self.codebook_rows is None else self.codebook_rows[ids]
+
+    def predecessor(self, ids: torch.Tensor) -> torch.Tensor:
+        """``A[ids]``: the codebook of tokens as a slot's predecessor."""
+        return self.predecessor_codebook[self.rows(ids)]
 
     def reset_parameters(self) -> None:
         # B = 0 makes a fresh selector plain top-1
@@ -56,7 +70,7 @@ class CandidateSelector(nn.Module):
         """``B[cand] * hidden_projection(h_t)``: ``[B, g, k, r]`` in fp32, so that
         ``S_t(a, .) = U_t + W_t @ A[a]``."""
         g_t = self.hidden_projection(hidden).float()
-        return self.successor_codebook[cand_ids].float() * g_t.unsqueeze(-2)
+        return self.successor_codebook[self.rows(cand_ids)].float() * g_t.unsqueeze(-2)
 
     @torch.no_grad()
     def walk(
@@ -83,13 +97,14 @@ class CandidateSelector(nn.Module):
         B, g, k = U.shape
         if all_greedy is None:
             all_greedy = bool((temperature == 0).all())
-        A = self.predecessor_codebook
         # Every score the walk can need, in two batched products: slot 1 after the anchor, and
         # slot t+1 after each of slot t's k candidates. The walk itself is then only indexing
         # (scoring, filtering and sampling slot by slot, ~50 small ops a slot, cost 3 ms more a sampled
         # CPU propose at w=8: 31 against 28 ms).
-        S_first = U[:, 0] + torch.einsum("bkr,br->bk", W[:, 0], A[anchor].float())  # [B, k]
-        S_next = U[:, 1:, None] + torch.einsum("btkr,btjr->btjk", W[:, 1:], A[cand[:, :-1]].float())  # [B, g-1, k, k]
+        S_first = U[:, 0] + torch.einsum("bkr,br->bk", W[:, 0], self.predecessor(anchor).float())  # [B, k]
+        S_next = U[:, 1:, None] + torch.einsum(
+            "btkr,btjr->btjk", W[:, 1:], self.predecessor(cand[:, :-1]).float()
+        )  # [B, g-1, k, k]
         # greedy: argmax with exact ties going to the lower token id
         g_first, g_next = _argmax_lowest_id(S_first, cand[:, 0]), _argmax_lowest_id(S_next, cand[:, 1:, None])
         if not all_greedy:

@@ -1,4 +1,4 @@
-"""``dflash2 train``, ``prepare-data`` and ``token-map``."""
+"""``dflash2 train``, ``prepare-data``, ``token-map`` and ``grow-draft``."""
 
 from __future__ import annotations
 
@@ -118,6 +118,31 @@ def cmd_token_map(args) -> int:
     return 0
 
 
+def cmd_grow_draft(args) -> int:
+    """A trained drafter grown without changing what it proposes (``grow.py``), written as a new folder."""
+    import shutil
+
+    import torch
+    from ..model.checkpoint import load_draft, parameter_report, save_draft
+    from ..model.token_map import load_token_map
+    from .grow import grow_draft
+
+    draft = load_draft(args.draft)
+    ids = None if args.token_map is None else load_token_map(args.token_map, draft.config.vocab_size)
+    gen = torch.Generator().manual_seed(args.seed)
+    grown = grow_draft(draft, ids, args.selector_rank, args.num_layers, generator=gen)
+    out = Path(args.output)
+    if out.resolve() == Path(args.draft).resolve():
+        raise ValueError(f"--output {out} is the drafter's own folder: write the grown one elsewhere")
+    save_draft(grown, out)
+    if args.token_map is not None:  # the engine loads token_map.pt from the drafter's folder by default
+        shutil.copyfile(args.token_map, out / "token_map.pt")
+    before, after = parameter_report(draft.config)["total"], parameter_report(grown.config)["total"]
+    size = (out / "model.safetensors").stat().st_size
+    print(f"{before:,} -> {after:,} parameters ({size / 1e6:.1f} MB) -> {out}")
+    return 0
+
+
 def add_training_parsers(sub) -> None:
     p = sub.add_parser("train", help="train a drafter (config file and/or flags)")
     p.add_argument("--config")
@@ -167,3 +192,15 @@ def add_training_parsers(sub) -> None:
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--always", default="", help="comma-separated ids always kept (e.g. EOS)")
     p.set_defaults(fn=cmd_token_map)
+    p = sub.add_parser(
+        "grow-draft",
+        help="a trained drafter with mapped codebooks, a higher selector rank or more "
+        "layers, proposing what it proposed (training continues from it: --init-from)",
+    )
+    p.add_argument("--draft", required=True, help="the drafter's folder (config.json + model.safetensors)")
+    p.add_argument("--output", required=True)
+    p.add_argument("--token-map", help="codebooks over these ids plus one shared row (a --speculative-token-map file)")
+    p.add_argument("--selector-rank", type=int, help="the selector's new rank (default: as now)")
+    p.add_argument("--num-layers", type=int, help="layers after growth (default: as now); new ones are appended")
+    p.add_argument("--seed", type=int, default=0, help="for the new parameters' random part")
+    p.set_defaults(fn=cmd_grow_draft)

@@ -114,7 +114,7 @@ def draft_loss(
     U, cand = sel.candidates(logits.detach())  # [B, N, w-1, k]
     pred = torch.cat([blocks.block_ids[..., :1], blocks.labels[..., :-1]], dim=-1)
     W = sel.pair_weights(hidden, cand)  # [B, N, w-1, k, r]
-    S = U + torch.einsum("bnskr,bnsr->bnsk", W, sel.predecessor_codebook[pred].float())
+    S = U + torch.einsum("bnskr,bnsr->bnsk", W, sel.predecessor(pred).float())
     hit = cand == blocks.labels[..., None]
     present = hit.any(-1)
     tgt = hit.float().argmax(-1)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..config import DFlash2Config
+from ..config import ConfigError, DFlash2Config
 from ..model import DFlash2DraftModel
 from ..model.checkpoint import load_draft, save_draft
 from .data import TokenDataset
@@ -84,7 +84,14 @@ def _draft_config(tc: TrainConfig, target) -> DFlash2Config:
     raw.setdefault("hidden_size", target.config.hidden_size)
     raw.setdefault("vocab_size", target.lm_head_weight.shape[0])
     raw.setdefault("num_target_layers", target.num_layers)
-    return DFlash2Config.from_dict(raw)
+    cfg = DFlash2Config.from_dict(raw)
+    if cfg.selector_vocab_size is not None:  # (codebook_rows would map every token to row 0)
+        raise ConfigError(
+            f"{tc.draft_config}: selector_vocab_size is set, and a drafter trained from scratch has no codebook "
+            "rows for it; grow a trained drafter instead (dflash2 grow-draft --token-map ...) and train with "
+            "--init-from its folder"
+        )
+    return cfg
 
 
 def heldout_acceptance(target, draft, rows, width: int, max_new_tokens: int, temperature: float = 0.0) -> float:
