@@ -321,6 +321,31 @@ def stage_train(args) -> None:
     merge_json_outputs()
 
 
+def _grown_init(args) -> Path:
+    """The recipe's start weights; with --grow (e.g. "layers=5,rank=96,map"), those weights grown by
+    `dflash2 grow-draft` (map: the selector's codebooks over the shipped token map), built once a machine."""
+    shipped = ROOT / "models" / "smollm2-135m-dflash2"
+    start = INIT if (INIT / "model.safetensors").is_file() else shipped
+    if not args.grow:
+        return start
+    grown = STASH / f"grown_{args.grow.replace(',', '_').replace('=', '')}"
+    if not (grown / "model.safetensors").is_file():
+        from dflash2.model.checkpoint import load_draft, save_draft
+        from dflash2.model.token_map import load_token_map
+        from dflash2.training.grow import grow_draft
+
+        spec = dict(kv.partition("=")[::2] for kv in args.grow.split(","))
+        unknown = set(spec) - {"layers", "rank", "map"}
+        if unknown:
+            raise SystemExit(f"--grow: unknown part(s) {sorted(unknown)}; use layers=N, rank=R, map")
+        draft = load_draft(start)
+        ids = load_token_map(shipped / "token_map.pt", draft.config.vocab_size) if "map" in spec else None
+        g = grow_draft(draft, ids, int(spec.get("rank") or 0) or None, int(spec.get("layers") or 0) or None)
+        save_draft(g, grown)
+        log(f"grew {start} ({args.grow}) -> {grown}")
+    return grown
+
+
 def _recipe_config(args, resume: bool, time_limit_s: float | None):
     """The committed recipe (models/smollm2-135m-dflash2/recipe.json) with this machine's paths."""
     from dflash2.training.trainer import TrainConfig
@@ -328,14 +353,20 @@ def _recipe_config(args, resume: bool, time_limit_s: float | None):
     return TrainConfig.from_file(
         ROOT / args.recipe,
         data=str(STASH / "recipe" / "data.npz"),
-        output_dir=str(STASH / "recipe" / "draft"),
+        output_dir=str(_recipe_out(args)),
         draft_config=str(ROOT / "configs" / "smollm2-135m-dflash2.json"),
-        init_from=str(INIT if (INIT / "model.safetensors").is_file() else ROOT / "models" / "smollm2-135m-dflash2"),
+        init_from=str(_grown_init(args)),
         resume=resume or None,
         time_limit_s=time_limit_s,
         device=args.recipe_device,
         eval_every=args.eval_every,  # 0 here: the eager per-domain evaluation costs minutes on the H200;
     )  # the engine measures the held-out domains after training instead
+
+
+def _recipe_out(args) -> Path:
+    """Where the recipe's training writes (and resumes): one folder per --grow, so variants of one
+    machine's data train side by side."""
+    return STASH / "recipe" / ("draft" if not args.grow else f"draft_{args.grow.replace(',', '_').replace('=', '')}")
 
 
 def _save_rows_in_parts(rows, stem: str, limit: int = 15 * 2**20) -> None:
@@ -417,7 +448,7 @@ def stage_recipe(args) -> None:
         log(f"trained to step {res['steps']} ({len(res['history'])} steps logged) in {res['seconds']:.0f}s")
         del target
         torch.cuda.empty_cache()
-    draft = load_draft(work / "draft", device="cpu")
+    draft = load_draft(_recipe_out(args), device="cpu")
     save_draft(draft, OUT / "draft", max_shard_bytes=15 * 2**20, dtype=torch.bfloat16)
     shutil.copy(ROOT / "models" / "smollm2-135m-dflash2" / "token_map.pt", OUT / "draft" / "token_map.pt")
     log("exported bf16 draft (+ token map) to $OUT/draft")
@@ -426,7 +457,8 @@ def stage_recipe(args) -> None:
     stage_bench(args, draft_dir=OUT / "draft")
     (OUT / "env.json").write_text(json.dumps(info, indent=1))
     with tarfile.open(OUT / "results.tar.gz", "w:gz") as tar:  # at most 8 files come back: one for the rest
-        for f in [work / "draft" / "train_log.jsonl", work / "draft" / "train_curves.png", *OUT.glob("*.json")]:
+        out = _recipe_out(args)
+        for f in [out / "train_log.jsonl", out / "train_curves.png", *OUT.glob("*.json")]:
             if f.is_file():
                 tar.add(f, arcname=f.name)
     for f in OUT.glob("*.json"):
@@ -2194,6 +2226,12 @@ def main() -> None:
         "--recipe-gen-batch", type=int, default=None, help="recipe: the answers' batch (default: the recipe's)"
     )
     ap.add_argument("--recipe-prompts", default="work/recipe", help="recipe: folder of its prompt files")
+    ap.add_argument(
+        "--grow",
+        default="",
+        help="recipe: train from the start weights grown by dflash2 grow-draft, e.g. layers=5,rank=96,map "
+        "(map: codebooks over the shipped token map); its own output folder",
+    )
     ap.add_argument("--phase", choices=["data", "train"], default="data", help="recipe: which call this is")
     ap.add_argument("--profile", action="store_true", help="steps: each graph's kernels by torch.profiler")
     ap.add_argument("--eager-draft", action="store_true", help="steps: the draft's layers and latents eager")

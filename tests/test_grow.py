@@ -126,6 +126,8 @@ def test_growth_only_adds_and_the_cli_writes_a_loadable_folder(tmp_path, capsys)
         grow_draft(old, selector_rank=4)
     with pytest.raises(ValueError, match="1 layers is below"):
         grow_draft(old, num_layers=1)
+    with pytest.raises(ValueError, match="rank 0 is below"):  # never read as "unset"
+        grow_draft(old, selector_rank=0)
     with pytest.raises(ValueError, match="selector_top_k"):
         grow_draft(old, IDS[:3])
     with pytest.raises(ValueError, match="mapped already"):

@@ -22,7 +22,8 @@ def inspect_path(path: str) -> str:
         f"  block_size {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, mask_token_id {cfg.mask_token_id}, "
         f"sliding_window {cfg.sliding_window}, is_causal {cfg.is_causal}",
         f"  conv kernel {cfg.conv_kernel_size}, group {cfg.conv_group_size}; selector rank {cfg.selector_rank}, "
-        f"top_k {cfg.selector_top_k}; rope_scaling {cfg.rope_scaling}",
+        f"top_k {cfg.selector_top_k}, codebook rows {cfg.selector_vocab_size or cfg.vocab_size}"
+        f"{' (mapped)' if cfg.selector_vocab_size else ''}; rope_scaling {cfg.rope_scaling}",
         "parameters:",
     ]
     for k in ("layers", "fc", "norms", "selector"):

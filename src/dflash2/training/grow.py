@@ -32,8 +32,8 @@ def grow_draft(
     ``num_layers`` layers (None: as now). Proposes what ``draft`` proposes wherever the anchor and the
     candidates are mapped tokens (with no token map: everywhere). Weights in ``draft``'s dtype."""
     cfg, old_sel = draft.config, draft.candidate_selector
-    rank = selector_rank or cfg.selector_rank
-    layers = num_layers or cfg.num_hidden_layers
+    rank = cfg.selector_rank if selector_rank is None else selector_rank
+    layers = cfg.num_hidden_layers if num_layers is None else num_layers
     if rank < cfg.selector_rank:
         raise ValueError(f"selector rank {rank} is below the drafter's ({cfg.selector_rank}): growth only adds")
     if layers < cfg.num_hidden_layers:
