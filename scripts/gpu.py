@@ -328,7 +328,7 @@ def _grown_init(args) -> Path:
     start = INIT if (INIT / "model.safetensors").is_file() else shipped
     if not args.grow:
         return start
-    grown = STASH / f"grown_{args.grow.replace(',', '_').replace('=', '')}"
+    grown = STASH / f"grown_{_grow_tag(args)}"
     if not (grown / "model.safetensors").is_file():
         from dflash2.model.checkpoint import load_draft, save_draft
         from dflash2.model.token_map import load_token_map
@@ -366,7 +366,12 @@ def _recipe_config(args, resume: bool, time_limit_s: float | None):
 def _recipe_out(args) -> Path:
     """Where the recipe's training writes (and resumes): one folder per --grow, so variants of one
     machine's data train side by side."""
-    return STASH / "recipe" / ("draft" if not args.grow else f"draft_{args.grow.replace(',', '_').replace('=', '')}")
+    return STASH / "recipe" / ("draft" if not args.grow else f"draft_{_grow_tag(args)}")
+
+
+def _grow_tag(args) -> str:
+    """--grow as a folder name: layers=5,rank=96,map -> layers5_rank96_map."""
+    return args.grow.replace(",", "_").replace("=", "")
 
 
 def _save_rows_in_parts(rows, stem: str, limit: int = 15 * 2**20) -> None:
