@@ -143,3 +143,29 @@ def test_growth_only_adds_and_the_cli_writes_a_loadable_folder(tmp_path, capsys)
     assert "own folder" in capsys.readouterr().err
     assert main([*args, "--selector-rank", "2", "--output", str(tmp_path / "h")]) == 2
     assert "below" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("runner", ["static", "paged"])
+def test_grown_drafter_serves_through_the_engine(runner):
+    """Through both runners (the codebook rows are a buffer that must follow the drafter to its device and
+    dtype): rank and layers grown, the same output and acceptance as before (a random drafter accepts little:
+    the proposals themselves are compared above); codebooks mapped (the engine here scores the whole vocabulary,
+    so unmapped candidates share a row), still the target's own greedy output."""
+    from test_engine import _prompts, _run
+    from test_speculative import hf_greedy, random_draft
+
+    from dflash2.target import TargetModel
+    from targets import VOCAB, build
+
+    t = TargetModel(build("llama", seed=3), layer_ids=[0, 2])
+    d = random_draft(t, 3).draft
+    with torch.no_grad():
+        d.candidate_selector.successor_codebook.normal_(0, 2.0)
+    prompts = _prompts(6)
+    _, base = _run(t, d, prompts, runner)
+    _, same = _run(t, grow_draft(d, None, 12, 3), prompts, runner)
+    assert [r.output_ids for r in same] == [r.output_ids for r in base]
+    assert [r.accept_hist for r in same] == [r.accept_hist for r in base]
+    _, mapped = _run(t, grow_draft(d, torch.arange(0, VOCAB, 2)), prompts, runner)
+    for p, r in zip(prompts, mapped):
+        assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
