@@ -127,13 +127,13 @@ def cmd_grow_draft(args) -> int:
     from ..model.token_map import load_token_map
     from .grow import grow_draft
 
+    out = Path(args.output)
+    if out.resolve() == Path(args.draft).resolve():  # (before loading and growing anything)
+        raise ValueError(f"--output {out} is the drafter's own folder: write the grown one elsewhere")
     draft = load_draft(args.draft)
     ids = None if args.token_map is None else load_token_map(args.token_map, draft.config.vocab_size)
     gen = torch.Generator().manual_seed(args.seed)
     grown = grow_draft(draft, ids, args.selector_rank, args.num_layers, generator=gen)
-    out = Path(args.output)
-    if out.resolve() == Path(args.draft).resolve():
-        raise ValueError(f"--output {out} is the drafter's own folder: write the grown one elsewhere")
     save_draft(grown, out)
     if args.token_map is not None:  # the engine loads token_map.pt from the drafter's folder by default
         shutil.copyfile(args.token_map, out / "token_map.pt")
