@@ -103,6 +103,37 @@ def test_build_prompts_split_by_key_and_report():
         build_prompts({"wikipedia": 3}, eval_texts={}, loaders={"sharegpt": convs})
 
 
+def test_raising_a_source_limit_keeps_the_heldout_prompts_and_extends_training():
+    """A later data call may ask a source for more prompts (same seed): its held-out evaluation prompts stay
+    the ones earlier stages were measured on, and its training prompts extend the earlier ones (the shuffle
+    comes before the cut), so stage-to-stage acceptance rows stay comparable."""
+
+    def convs():
+        return [
+            Prompt([{"role": "user", "content": f"conv {c} turn {t}"}], "chat", "sharegpt", f"sharegpt:{c}", t)
+            for c in range(400)
+            for t in range(2)
+        ]
+
+    def code():
+        return [
+            Prompt([{"role": "user", "content": f"def f{i}(): pass"}], "code", "code", f"code:{i}") for i in range(90)
+        ]
+
+    def build(limits):
+        return build_prompts(limits, heldout_percent=10, heldout_per_domain=15, seed=3, eval_texts={},
+                             loaders={"sharegpt": convs, "code": code})  # fmt: skip
+
+    small, big = build({"sharegpt": 100, "code": 20}), build({"sharegpt": 500, "code": 60})
+    assert [p.key + str(p.turn) for p in small.heldout] == [p.key + str(p.turn) for p in big.heldout]
+    for source, n in (("sharegpt", 100), ("code", 20)):
+        assert [p for p in small.train if p.source == source] == [p for p in big.train if p.source == source][:n]
+    assert len(big.train) == 560 and len(small.train) == 120
+    other = build_prompts({"sharegpt": 100, "code": 20}, heldout_percent=10, heldout_per_domain=15, seed=4,
+                          eval_texts={}, loaders={"sharegpt": convs, "code": code})  # fmt: skip
+    assert [p.key for p in other.train] != [p.key for p in small.train]  # (the seed does move them)
+
+
 def test_prompt_files_and_compact_dataset_roundtrip(tmp_path):
     ps = [Prompt([{"role": "user", "content": "héllo"}], "chat", "sharegpt", "sharegpt:x", 2)]
     save_prompts(ps, tmp_path / "p.jsonl.gz")
