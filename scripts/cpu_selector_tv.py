@@ -44,17 +44,14 @@ W, G, TOP_P = 8, 7, 0.95
 
 
 @torch.no_grad()
-def slot_rows(draft, target, ids: torch.Tensor, prompt_len: int, max_anchors: int, rng: random.Random) -> dict:
-    """Teacher-forced slot rows of one sequence: the frozen body's hidden state, candidates, their unary
-    scores, the true predecessor and label, and p_target (T=1, top-p 0.95) on the candidates."""
-    ids = ids[None].long()
-    T = ids.shape[1]
+def teacher_forced(draft, target, ids: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's logits over ``ids [1, T]`` ([T, V]) and the drafter's hidden states of slots 1..W-1 of
+    a block at each anchor ([N, W-1, H]), every block reading the true context (scripts/t1_calibration.py
+    uses it too)."""
+    T, N = ids.shape[1], len(anchors)
     target._captured.clear()
     tl = target.model(input_ids=ids, use_cache=False).logits[0].float()
     feats = torch.cat([target._captured[i] for i in target.layer_ids], -1)
-    all_anchors = list(range(prompt_len - 1, T - G))
-    anchors = torch.tensor(sorted(rng.sample(all_anchors, min(max_anchors, len(all_anchors)))))
-    N = len(anchors)
     pos = anchors[:, None] + torch.arange(W)
     ctx_pos = torch.arange(T)[None]
     lat = draft.context_latents(draft.fuse(feats), ctx_pos)
@@ -70,7 +67,18 @@ def slot_rows(draft, target, ids: torch.Tensor, prompt_len: int, max_anchors: in
     )
     blk = torch.full((N, W), draft.config.mask_token_id)
     blk[:, 0] = ids[0, anchors]
-    hid = draft(target.embed(blk.view(1, -1)), qp, lat, mask, W).view(N, W, -1)[:, 1:]
+    return tl, draft(target.embed(blk.view(1, -1)), qp, lat, mask, W).view(N, W, -1)[:, 1:]
+
+
+@torch.no_grad()
+def slot_rows(draft, target, ids: torch.Tensor, prompt_len: int, max_anchors: int, rng: random.Random) -> dict:
+    """Teacher-forced slot rows of one sequence: the frozen body's hidden state, candidates, their unary
+    scores, the true predecessor and label, and p_target (T=1, top-p 0.95) on the candidates."""
+    ids = ids[None].long()
+    all_anchors = list(range(prompt_len - 1, ids.shape[1] - G))
+    anchors = torch.tensor(sorted(rng.sample(all_anchors, min(max_anchors, len(all_anchors)))))
+    pos = anchors[:, None] + torch.arange(W)
+    tl, hid = teacher_forced(draft, target, ids, anchors)
     U, cand = draft.candidates(hid, target.lm_head_weight)  # [N, G, k]
     labels = ids[0, pos[:, 1:]]
     pred = torch.cat([ids[0, anchors][:, None], labels[:, :-1]], 1)

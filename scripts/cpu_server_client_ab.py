@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--logs", default=None, help="a folder for each server's log")
     ap.add_argument("--ignore-eos", action="store_true", help="every output --tokens long (comparable tok/s at T=1)")
     ap.add_argument("--interleave", type=int, default=0, help="rounds with every server up at once (ABBA order)")
+    ap.add_argument("--draft-b", default=None, help="server auto_b: auto with this drafter (two drafters side by side)")
     args = ap.parse_args()
     from dflash2.training.sources import load_prompts
 
@@ -148,6 +149,8 @@ def main() -> None:
              # the drafter loaded, no request drafting (the schedule drafts only at 1 running request):
              # what a drafter engine's target-alone steps cost beside the target's own
              "plain": ["--speculative-width-schedule", "1:8"]}  # fmt: skip
+    if args.draft_b:
+        flags["auto_b"] = ["--speculative-planner", "auto", "--speculative-draft-model-path", args.draft_b]
     rows = []
     if args.interleave:
         return interleaved(args, prompts, flags)

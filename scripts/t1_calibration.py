@@ -22,12 +22,12 @@ import torch
 warnings.filterwarnings("ignore")
 torch.set_num_threads(2)
 from dflash2.cli import DEFAULT_DRAFT, REPO
-from dflash2.model import build_block_mask
 from dflash2.model.checkpoint import load_draft
 from dflash2.model.token_map import DEFAULT_NAME, load_token_map
 from dflash2.target.loading import load_target
 from dflash2.training.data import gsm8k_prompts, render
 from dflash2.sampling import probs_from_logits
+from cpu_selector_tv import teacher_forced
 
 ap = argparse.ArgumentParser()
 ap.add_argument("seqs")
@@ -61,27 +61,9 @@ with torch.no_grad():
         T = ids.shape[1]
         if T - G - P0 < 8:
             continue
-        target._captured.clear()
-        tl = target.model(input_ids=ids, use_cache=False).logits[0].float()
-        feats = torch.cat([target._captured[i] for i in target.layer_ids], -1)
         anchors = torch.arange(P0 - 1, T - G)  # slots a+1..a+G all inside the sequence
-        N = len(anchors)
         pos = anchors[:, None] + torch.arange(W)
-        ctx_pos = torch.arange(T)[None]
-        lat = draft.context_latents(draft.fuse(feats), ctx_pos)
-        qp = pos.view(1, -1)
-        mask = build_block_mask(
-            qp,
-            anchors[:, None].expand(N, W).reshape(1, -1),
-            torch.arange(N)[:, None].expand(N, W).reshape(1, -1),
-            ctx_pos,
-            torch.ones(1, T, dtype=torch.bool),
-            draft.config.sliding_window,
-            draft.config.is_causal,
-        )
-        blk = torch.full((N, W), draft.config.mask_token_id)
-        blk[:, 0] = ids[0, anchors]
-        hid = draft(target.embed(blk.view(1, -1)), qp, lat, mask, W).view(N, W, -1)[:, 1:]
+        tl, hid = teacher_forced(draft, target, ids, anchors)
         U, cand = draft.candidates(hid, target.lm_head_weight)  # [N, G, k]
         labels = ids[0, pos[:, 1:]]  # [N, G]
         pred = torch.cat([ids[0, anchors][:, None], labels[:, :-1]], 1)
