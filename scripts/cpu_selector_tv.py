@@ -12,7 +12,7 @@ Objectives (the selector's CE on the true token is in each, as in training):
   kl   + KL(p_target on the candidates, renormalised || softmax(S))   (the recipe's selector_kl term)
   tv   + (1 - sum_cand min(p_target, softmax(S)))                      (slot acceptance itself)
 
-    .venv/bin/python scripts/cpu_selector_tv.py --train-seqs 64 --eval-prompts 24 --steps 300 --output OUT.json
+    .venv/bin/python scripts/cpu_selector_tv.py --train-seqs 64 --eval-prompts 25 --steps 400 --output OUT.json
 """
 
 from __future__ import annotations
@@ -190,13 +190,12 @@ def main() -> None:
     decay = torch.exp(-torch.arange(G).float() / 7.0).repeat(len(train["label"]) // G)
     results = {"shipped": {"heldout": evaluate(draft.candidate_selector, held)}}
     print("shipped", results["shipped"], flush=True)
-    n = len(train["label"])
     for kind in args.objectives.split(","):
         sel = copy.deepcopy(draft.candidate_selector).train()
         opt = torch.optim.AdamW(sel.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
         gen = torch.Generator().manual_seed(1)
         for _ in range(args.steps):
-            idx = torch.multinomial(decay, args.batch, replacement=True, generator=gen) if n else None
+            idx = torch.multinomial(decay, args.batch, replacement=True, generator=gen)
             b = {k: v[idx] for k, v in train.items()}
             loss = objective(sel, b, kind)
             opt.zero_grad()
