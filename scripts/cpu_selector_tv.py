@@ -38,6 +38,7 @@ from dflash2.model.token_map import DEFAULT_NAME, load_token_map  # noqa: E402
 from dflash2.sampling import probs_from_logits  # noqa: E402
 from dflash2.target.loading import load_target  # noqa: E402
 from dflash2.training.data import TokenDataset, render  # noqa: E402
+from dflash2.training.losses import selector_distill  # noqa: E402
 from dflash2.training.sources import load_prompts  # noqa: E402
 
 W, G, TOP_P = 8, 7, 0.95
@@ -99,9 +100,7 @@ def cat_rows(rows: list[dict]) -> dict:
 
 
 def scores(sel, b: dict) -> torch.Tensor:
-    return b["U"] + torch.einsum(
-        "...kr,...r->...k", sel.pair_weights(b["hid"], b["cand"]), sel.predecessor(b["pred"]).float()
-    )
+    return sel.scores(b["U"], b["hid"], b["cand"], b["pred"])
 
 
 def objective(sel, b: dict, kind: str) -> torch.Tensor:
@@ -111,9 +110,9 @@ def objective(sel, b: dict, kind: str) -> torch.Tensor:
     ce = (F.cross_entropy(S, hit.float().argmax(-1), reduction="none") * present).sum() / present.sum().clamp_min(1)
     q = torch.softmax(S, -1)
     if kind == "kl":
-        logp = torch.log(b["p_cand"].clamp_min(1e-12))
-        logp = logp - torch.logsumexp(logp, -1, keepdim=True)
-        extra = (logp.exp() * (logp - torch.log_softmax(S, -1))).sum(-1).mean()
+        # (p_target already restricted to the candidates: their own positions, renormalised there)
+        at = torch.arange(S.shape[-1]).expand_as(S)
+        extra = selector_distill(S, at, torch.log(b["p_cand"].clamp_min(1e-12)), torch.ones(len(S)))
     elif kind == "tv":
         extra = (1 - torch.minimum(b["p_cand"], q).sum(-1)).mean()
     else:
@@ -188,6 +187,7 @@ def main() -> None:
     held = cat_rows(evals)
     print(f"held-out anchors: {len(held['label'])} from {len(evals)} answers ({time.time() - t0:.0f}s)", flush=True)
     decay = torch.exp(-torch.arange(G).float() / 7.0).repeat(len(train["label"]) // G)
+    train_slots = {k: v.view(-1, G, *v.shape[1:]) for k, v in train.items()}  # (scored like the held-out rows)
     results = {"shipped": {"heldout": evaluate(draft.candidate_selector, held)}}
     print("shipped", results["shipped"], flush=True)
     for kind in args.objectives.split(","):
@@ -204,12 +204,10 @@ def main() -> None:
         sel.eval()
         results[kind] = {
             "heldout": evaluate(sel, held),
-            "train_rows": evaluate(sel, {k: v.view(-1, G, *v.shape[1:]) for k, v in train.items()}),
+            "train_rows": evaluate(sel, train_slots),
         }
         print(kind, results[kind], f"({time.time() - t0:.0f}s)", flush=True)
-    results["shipped"]["train_rows"] = evaluate(
-        draft.candidate_selector, {k: v.view(-1, G, *v.shape[1:]) for k, v in train.items()}
-    )
+    results["shipped"]["train_rows"] = evaluate(draft.candidate_selector, train_slots)
     results["args"] = vars(args)
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=1))

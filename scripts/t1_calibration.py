@@ -67,7 +67,7 @@ with torch.no_grad():
         U, cand = draft.candidates(hid, target.lm_head_weight)  # [N, G, k]
         labels = ids[0, pos[:, 1:]]  # [N, G]
         pred = torch.cat([ids[0, anchors][:, None], labels[:, :-1]], 1)
-        S = U + torch.einsum("ngkr,ngr->ngk", sel.pair_weights(hid, cand), sel.predecessor(pred).float())
+        S = sel.scores(U, hid, cand, pred)
         p_target = probs_from_logits(tl[pos[:, :-1]], 1.0, -1, 0.95)  # [N, G, V] at slot k's position
         p_cand = p_target.gather(-1, cand)
         for t in TAUS:

@@ -72,6 +72,12 @@ class CandidateSelector(nn.Module):
         g_t = self.hidden_projection(hidden).float()
         return self.successor_codebook[self.rows(cand_ids)].float() * g_t.unsqueeze(-2)
 
+    def scores(self, U: torch.Tensor, hidden: torch.Tensor, cand: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+        """``S = U + W @ A[pred]`` per slot, ``[..., k]`` in fp32: each slot's candidates scored after a known
+        predecessor ``pred [...]`` (training and teacher-forced checks; decoding walks its own draws)."""
+        W = self.pair_weights(hidden, cand)
+        return U + torch.einsum("...kr,...r->...k", W, self.predecessor(pred).float())
+
     @torch.no_grad()
     def walk(
         self,

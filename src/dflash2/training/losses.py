@@ -113,8 +113,7 @@ def draft_loss(
     sel = draft.candidate_selector
     U, cand = sel.candidates(logits.detach())  # [B, N, w-1, k]
     pred = torch.cat([blocks.block_ids[..., :1], blocks.labels[..., :-1]], dim=-1)
-    W = sel.pair_weights(hidden, cand)  # [B, N, w-1, k, r]
-    S = U + torch.einsum("bnskr,bnsr->bnsk", W, sel.predecessor(pred).float())
+    S = sel.scores(U, hidden, cand, pred)  # [B, N, w-1, k]
     hit = cand == blocks.labels[..., None]
     present = hit.any(-1)
     tgt = hit.float().argmax(-1)
