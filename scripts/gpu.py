@@ -11,8 +11,9 @@
                                     #   an earlier session's data instead of generating it
   python scripts/gpu.py train [--init-from models/...] [--kl-weight 1] --steps N --train-seconds S [--bench]
                                     # carry work/: start or resume training, export bf16 shards to $OUT
-  python scripts/gpu.py bench --acc-limit 1319 --concurrency 1,8,32,64
-                                    # carry work/: acceptance (engine) + speed by concurrency
+  python scripts/gpu.py bench --acc-limit 1319 --concurrency 1,8,32,64 [--heldout-path work/recipe/heldout_prompts.jsonl]
+                                    # carry work/: acceptance (engine; GSM8K test, and the held-out domains
+                                    #   with --heldout-path) + speed by concurrency
   python scripts/gpu.py engine --concurrency 1,8,32 --graph-tokens 128 --rounds 1 --eager-limit 8
                                     # carry work/gsm8k_test.jsonl: the serving engine's CUDA-graph runner
                                     #   (graph_runner.py): fp32 + bf16 checks, engine speed per concurrency
@@ -493,7 +494,7 @@ def stage_bench(args, draft_dir: Path | None = None) -> None:
     gsm = ["--gsm8k-path", str(ROOT / "work" / "gsm8k_test.jsonl")]
     suites = ["--dataset", "gsm8k"]
     if getattr(args, "heldout_path", None):  # the recipe's held-out domains too, one row each
-        suites = ["--dataset", "gsm8k,heldout", "--heldout-path", args.heldout_path]
+        suites = ["--dataset", "gsm8k,heldout", "--heldout-path", str(ROOT / args.heldout_path)]
     runs = [
         ("w5_greedy", ["--speculative-num-draft-tokens", "5", "--temperature", "0"]),
         ("w8_greedy", ["--speculative-num-draft-tokens", "8", "--temperature", "0"]),
@@ -2301,6 +2302,11 @@ def main() -> None:
     ap.add_argument("--init-from", default=None, help="draft folder (repo-relative) to start from")
     ap.add_argument("--acc-limit", type=int, default=1319)
     ap.add_argument("--acc-max-tokens", type=int, default=256)
+    ap.add_argument(
+        "--heldout-path",
+        default=None,
+        help="bench: the recipe's held-out prompts too (carry work/recipe/heldout_prompts.jsonl)",
+    )
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--configs", default="", help="acceptance runs to do, e.g. w8_greedy,w5_token_t1 (default all)")
     ap.add_argument("--acc-concurrency", type=int, default=128)

@@ -163,6 +163,7 @@ def test_data_recipe_validation():
         ({"sources": {"gsm8k": 5}, "answers": [{"fraction": 1, "temprature": 1}]}, "unknown key"),
         ({"sources": {"gsm8k": 5}, "answers": [{"fraction": 1, "top_p": 0}]}, "top_p"),
         ({"sources": {"gsm8k": 5}, "generator": "vllm"}, "generator"),
+        ({"sources": {"gsm8k": 5}, "answer_order_seed": "1"}, "answer_order_seed"),
     ):
         with pytest.raises(ValueError, match=msg):
             DataRecipe.from_dict(bad)
@@ -170,6 +171,25 @@ def test_data_recipe_validation():
 
     with pytest.raises(ValueError, match="unknown data recipe key"):
         TrainConfig(data="x", output_dir="y", draft_config={}, prepare={"sources": {"gsm8k": 1}, "bogus": 1})
+
+
+def test_answer_order_seed_deals_the_prompts_to_the_passes_anew():
+    """Each prompt is answered at most once, by the fraction's share of the passes; without
+    answer_order_seed the deal follows seed (as before the key existed), with it another deal, so a rerun
+    answers at T=0 prompts answered at T=1 before."""
+    from dflash2.training.recipe import answer_chunks
+
+    prompts = [Prompt([{"role": "user", "content": f"q{i}"}], "chat", "sharegpt", f"s:{i}", 0) for i in range(200)]
+    answers = [{"fraction": 0.5}, {"fraction": 0.25, "temperature": 1, "top_p": 0.95}]
+    base = answer_chunks(prompts, DataRecipe.from_dict({"sources": {"sharegpt": None}, "answers": answers, "seed": 3}))
+    assert [len(c) for c in base] == [100, 50]
+    keys = [p.key for c in base for p in c]
+    assert len(set(keys)) == 150 and set(keys) <= {p.key for p in prompts}
+    same = DataRecipe.from_dict({"sources": {"sharegpt": None}, "answers": answers, "seed": 3, "answer_order_seed": 3})
+    assert [[p.key for p in c] for c in answer_chunks(prompts, same)] == [[p.key for p in c] for c in base]
+    other = DataRecipe.from_dict({"sources": {"sharegpt": None}, "answers": answers, "seed": 3, "answer_order_seed": 4})
+    greedy_before, greedy_now = {p.key for p in base[0]}, {p.key for p in answer_chunks(prompts, other)[0]}
+    assert 30 < len(greedy_before & greedy_now) < 70  # about half by chance, not the same deal
 
 
 def test_shipped_recipe_is_valid():

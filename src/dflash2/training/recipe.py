@@ -37,7 +37,10 @@ class DataRecipe:
     max_new_tokens: int = 384
     max_prompt_tokens: int = 1024
     gen_batch: int = 256  # prompts per HF generate batch, or the engine's running requests
-    seed: int = 0
+    seed: int = 0  # the held-out split and, unless answer_order_seed is set, which pass answers which prompt
+    # Why apart from seed: a rerun with new answer seeds and another order answers each prompt at another
+    # temperature than before (new greedy answers too), while the held-out split stays put.
+    answer_order_seed: int | None = None
     generator: str = "hf"  # "hf": Hugging Face generate in padded batches; "engine": our serving engine
 
     @classmethod
@@ -59,9 +62,16 @@ class DataRecipe:
             raise ValueError(f"data recipe answers: fractions must be > 0 and sum to at most 1 (got {total})")
         if any(a.temperature < 0 or not 0 < a.top_p <= 1 for a in answers):
             raise ValueError("data recipe answers: temperature >= 0 and 0 < top_p <= 1")
+        order = raw.get("answer_order_seed")
+        if order is not None and (isinstance(order, bool) or not isinstance(order, int)):
+            raise ValueError(f"data recipe answer_order_seed must be an integer or null, got {order!r}")
         if raw.get("generator", "hf") not in ("hf", "engine"):
             raise ValueError(f"data recipe generator must be 'hf' or 'engine', got {raw['generator']!r}")
         return cls(**{**raw, "answers": answers})
+
+    @property
+    def order_seed(self) -> int:
+        return self.seed if self.answer_order_seed is None else self.answer_order_seed
 
 
 def build_prompt_files(recipe: DataRecipe, folder: str | Path) -> PromptSet:
@@ -98,6 +108,19 @@ def heldout_rows(tokenizer, prompts: list[Prompt], max_prompt_tokens: int) -> li
     return rows
 
 
+def answer_chunks(prompts: list[Prompt], recipe: DataRecipe) -> list[list[Prompt]]:
+    """The training prompts dealt to the answer passes: shuffled by the order seed, each pass taking its
+    fraction in turn, so each prompt is answered at most once."""
+    order = list(prompts)
+    random.Random(recipe.order_seed).shuffle(order)
+    chunks, start = [], 0
+    for a in recipe.answers:
+        n = round(a.fraction * len(order))
+        chunks.append(order[start : start + n])
+        start += n
+    return chunks
+
+
 def prepare_data(
     recipe: DataRecipe, target, data_path: str | Path, heldout_path: str | Path, time_budget_s: float | None = None
 ) -> dict:
@@ -111,18 +134,14 @@ def prepare_data(
     folder = Path(data_path).parent
     folder.mkdir(parents=True, exist_ok=True)
     ps = load_prompt_files(folder) or build_prompt_files(recipe, folder)
-    train = list(ps.train)
-    random.Random(recipe.seed).shuffle(train)
-    t0, rows, start = time.perf_counter(), [], 0
+    t0, rows = time.perf_counter(), []
     passes = []
     used = 0.0
-    for a in recipe.answers:
+    for a, chunk in zip(recipe.answers, answer_chunks(ps.train, recipe)):
         used += a.fraction
         deadline = (
             None if time_budget_s is None else t0 + time_budget_s * used / sum(x.fraction for x in recipe.answers)
         )
-        n = round(a.fraction * len(train))
-        chunk, start = train[start : start + n], start + n
         before = len(rows)
         kw = dict(
             max_new_tokens=recipe.max_new_tokens,
@@ -150,6 +169,7 @@ def prepare_data(
         d["response_tokens"] += len(r["ids"]) - r["prompt_len"]
     report = {
         "prompts": ps.report,
+        "answer_order_seed": recipe.order_seed,
         "passes": passes,
         "sequences": len(rows),
         "tokens": sum(len(r["ids"]) for r in rows),
