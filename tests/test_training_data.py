@@ -164,6 +164,8 @@ def test_data_recipe_validation():
         ({"sources": {"gsm8k": 5}, "answers": [{"fraction": 1, "top_p": 0}]}, "top_p"),
         ({"sources": {"gsm8k": 5}, "generator": "vllm"}, "generator"),
         ({"sources": {"gsm8k": 5}, "answer_order_seed": "1"}, "answer_order_seed"),
+        ({"sources": {"gsm8k": 5}, "answers": [{"fraction": 1}, {"fraction": 1.5, "again": True}]}, "fractions"),
+        ({"sources": {"gsm8k": 5}, "answers": [{"fraction": 1, "domains": "math"}]}, "domains"),
     ):
         with pytest.raises(ValueError, match=msg):
             DataRecipe.from_dict(bad)
@@ -190,6 +192,15 @@ def test_answer_order_seed_deals_the_prompts_to_the_passes_anew():
     other = DataRecipe.from_dict({"sources": {"sharegpt": None}, "answers": answers, "seed": 3, "answer_order_seed": 4})
     greedy_before, greedy_now = {p.key for p in base[0]}, {p.key for p in answer_chunks(prompts, other)[0]}
     assert 30 < len(greedy_before & greedy_now) < 70  # about half by chance, not the same deal
+    # a pass with "again" answers prompts once more: its domains only, by its own draw, outside the deal
+    mixed = [Prompt(p.messages, "math" if i % 4 == 0 else "chat", p.source, p.key, 0) for i, p in enumerate(prompts)]
+    again = {"fraction": 1.0, "temperature": 1, "top_p": 0.95, "seed": 9, "again": True, "domains": ["math"]}
+    half = {"fraction": 0.5, "temperature": 1, "top_p": 0.95, "seed": 7, "again": True}
+    r = DataRecipe.from_dict({"sources": {"sharegpt": None}, "answers": [*answers, again, half]})
+    chunks = answer_chunks(mixed, r)
+    assert [len(c) for c in chunks] == [100, 50, 50, 100]
+    assert sorted(p.key for p in chunks[2]) == sorted(p.key for p in mixed if p.domain == "math")
+    assert len({p.key for p in chunks[3]}) == 100 and {p.key for p in chunks[3]} != {p.key for p in chunks[0]}
 
 
 def test_shipped_recipe_is_valid():

@@ -20,12 +20,17 @@ from .sources import Prompt, PromptSet, build_prompts, load_prompts, save_prompt
 
 @dataclass
 class AnswerPass:
-    """A share of the training prompts answered at one temperature (each prompt answered once)."""
+    """A share of the training prompts answered at one temperature. The passes without ``again`` deal the
+    prompts among themselves (each prompt answered once by them, their fractions summing to at most 1); a
+    pass with ``again`` answers its fraction of the prompts once more, drawn by its own seed, for example a
+    second T=1 answer to every math prompt (``domains``: only prompts of these domains)."""
 
     fraction: float
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    again: bool = False
+    domains: list[str] | None = None
 
 
 @dataclass
@@ -57,9 +62,13 @@ class DataRecipe:
             if bad:
                 raise ValueError(f"data recipe answers: unknown key(s) {sorted(bad)}")
             answers.append(AnswerPass(**a))
-        total = sum(a.fraction for a in answers)
-        if not answers or any(a.fraction <= 0 for a in answers) or total > 1 + 1e-6:
-            raise ValueError(f"data recipe answers: fractions must be > 0 and sum to at most 1 (got {total})")
+        total = sum(a.fraction for a in answers if not a.again)
+        if not answers or any(not 0 < a.fraction <= 1 for a in answers) or total > 1 + 1e-6:
+            raise ValueError(
+                f"data recipe answers: fractions must be in (0, 1] and those without 'again' sum to at most 1 (got {total})"
+            )
+        if any(a.domains is not None and not (isinstance(a.domains, list) and a.domains) for a in answers):
+            raise ValueError("data recipe answers: 'domains' must be a non-empty list of domain names")
         if any(a.temperature < 0 or not 0 < a.top_p <= 1 for a in answers):
             raise ValueError("data recipe answers: temperature >= 0 and 0 < top_p <= 1")
         order = raw.get("answer_order_seed")
@@ -109,14 +118,21 @@ def heldout_rows(tokenizer, prompts: list[Prompt], max_prompt_tokens: int) -> li
 
 
 def answer_chunks(prompts: list[Prompt], recipe: DataRecipe) -> list[list[Prompt]]:
-    """The training prompts dealt to the answer passes: shuffled by the order seed, each pass taking its
-    fraction in turn, so each prompt is answered at most once."""
+    """Each answer pass's prompts: those of its domains (all without ``domains``), shuffled by the order
+    seed and dealt in turn to the passes without ``again`` (so they answer each prompt at most once); a pass
+    with ``again`` takes its fraction of its own shuffle (by its seed)."""
     order = list(prompts)
     random.Random(recipe.order_seed).shuffle(order)
     chunks, start = [], 0
     for a in recipe.answers:
+        mine = order if a.domains is None else [p for p in order if p.domain in a.domains]
+        if a.again:
+            mine = list(mine)
+            random.Random(a.seed).shuffle(mine)
+            chunks.append(mine[: round(a.fraction * len(mine))])
+            continue
         n = round(a.fraction * len(order))
-        chunks.append(order[start : start + n])
+        chunks.append([p for p in order[start : start + n] if a.domains is None or p.domain in a.domains])
         start += n
     return chunks
 
@@ -128,7 +144,7 @@ def prepare_data(
 
     Prompt files already in the data file's folder are reused (a run split over several calls,
     or prompts built on another machine); otherwise they are built here. With ``time_budget_s``
-    each pass gets its fraction of the budget and stops starting batches when that is spent (the
+    each pass gets its share of the prompts' share of the budget and stops starting batches when that is spent (the
     report says how many prompts each pass answered). Returns the data report, also written
     beside the data as ``data_report.json``."""
     folder = Path(data_path).parent
@@ -136,12 +152,11 @@ def prepare_data(
     ps = load_prompt_files(folder) or build_prompt_files(recipe, folder)
     t0, rows = time.perf_counter(), []
     passes = []
-    used = 0.0
-    for a, chunk in zip(recipe.answers, answer_chunks(ps.train, recipe)):
-        used += a.fraction
-        deadline = (
-            None if time_budget_s is None else t0 + time_budget_s * used / sum(x.fraction for x in recipe.answers)
-        )
+    chunks = answer_chunks(ps.train, recipe)
+    used, total = 0, max(1, sum(map(len, chunks)))
+    for a, chunk in zip(recipe.answers, chunks):
+        used += len(chunk)  # each pass's share of the budget: its share of the prompts
+        deadline = None if time_budget_s is None else t0 + time_budget_s * used / total
         before = len(rows)
         kw = dict(
             max_new_tokens=recipe.max_new_tokens,
