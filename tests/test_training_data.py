@@ -175,10 +175,10 @@ def test_data_recipe_validation():
         TrainConfig(data="x", output_dir="y", draft_config={}, prepare={"sources": {"gsm8k": 1}, "bogus": 1})
 
 
-def test_answer_order_seed_deals_the_prompts_to_the_passes_anew():
-    """Each prompt is answered at most once, by the fraction's share of the passes; without
-    answer_order_seed the deal follows seed (as before the key existed), with it another deal, so a rerun
-    answers at T=0 prompts answered at T=1 before."""
+def test_answer_passes_deal_by_answer_order_seed_and_again_answers_once_more():
+    """The passes without 'again' deal the prompts (each answered at most once, a pass's fraction of them);
+    without answer_order_seed the deal follows seed (as before the key existed), with it another deal, so a
+    rerun answers at T=0 prompts answered at T=1 before. A pass with 'again' draws on its own."""
     from dflash2.training.recipe import answer_chunks
 
     prompts = [Prompt([{"role": "user", "content": f"q{i}"}], "chat", "sharegpt", f"s:{i}", 0) for i in range(200)]

@@ -125,15 +125,14 @@ def answer_chunks(prompts: list[Prompt], recipe: DataRecipe) -> list[list[Prompt
     random.Random(recipe.order_seed).shuffle(order)
     chunks, start = [], 0
     for a in recipe.answers:
-        mine = order if a.domains is None else [p for p in order if p.domain in a.domains]
         if a.again:
-            mine = list(mine)
+            mine = [p for p in order if a.domains is None or p.domain in a.domains]
             random.Random(a.seed).shuffle(mine)
             chunks.append(mine[: round(a.fraction * len(mine))])
-            continue
-        n = round(a.fraction * len(order))
-        chunks.append([p for p in order[start : start + n] if a.domains is None or p.domain in a.domains])
-        start += n
+        else:
+            n = round(a.fraction * len(order))
+            chunks.append([p for p in order[start : start + n] if a.domains is None or p.domain in a.domains])
+            start += n
     return chunks
 
 
@@ -144,8 +143,8 @@ def prepare_data(
 
     Prompt files already in the data file's folder are reused (a run split over several calls,
     or prompts built on another machine); otherwise they are built here. With ``time_budget_s``
-    each pass gets its share of the prompts' share of the budget and stops starting batches when that is spent (the
-    report says how many prompts each pass answered). Returns the data report, also written
+    each pass gets the share of the budget that its prompts are of all the passes' prompts and stops
+    starting batches when that is spent (the report says how many prompts each pass answered). Returns the data report, also written
     beside the data as ``data_report.json``."""
     folder = Path(data_path).parent
     folder.mkdir(parents=True, exist_ok=True)
