@@ -32,13 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from dflash2.cli import DEFAULT_DRAFT  # noqa: E402
-from dflash2.model import build_block_mask  # noqa: E402
 from dflash2.model.checkpoint import load_draft  # noqa: E402
 from dflash2.model.token_map import DEFAULT_NAME, load_token_map  # noqa: E402
 from dflash2.sampling import probs_from_logits  # noqa: E402
 from dflash2.target.loading import load_target  # noqa: E402
 from dflash2.training.data import TokenDataset, render  # noqa: E402
-from dflash2.training.losses import selector_distill  # noqa: E402
+from dflash2.training.losses import block_hidden, selector_distill  # noqa: E402
 from dflash2.training.sources import load_prompts  # noqa: E402
 
 W, G, TOP_P = 8, 7, 0.95
@@ -49,26 +48,15 @@ def teacher_forced(draft, target, ids: torch.Tensor, anchors: torch.Tensor) -> t
     """The target's logits over ``ids [1, T]`` ([T, V]) and the drafter's hidden states of slots 1..W-1 of
     a block at each anchor ([N, W-1, H]), every block reading the true context (scripts/t1_calibration.py
     uses it too)."""
-    T, N = ids.shape[1], len(anchors)
+    T = ids.shape[1]
     target._captured.clear()
     tl = target.model(input_ids=ids, use_cache=False).logits[0].float()
     feats = torch.cat([target._captured[i] for i in target.layer_ids], -1)
-    pos = anchors[:, None] + torch.arange(W)
-    ctx_pos = torch.arange(T)[None]
-    lat = draft.context_latents(draft.fuse(feats), ctx_pos)
-    qp = pos.view(1, -1)
-    mask = build_block_mask(
-        qp,
-        anchors[:, None].expand(N, W).reshape(1, -1),
-        torch.arange(N)[:, None].expand(N, W).reshape(1, -1),
-        ctx_pos,
-        torch.ones(1, T, dtype=torch.bool),
-        draft.config.sliding_window,
-        draft.config.is_causal,
-    )
-    blk = torch.full((N, W), draft.config.mask_token_id)
+    blk = torch.full((len(anchors), W), draft.config.mask_token_id)
     blk[:, 0] = ids[0, anchors]
-    return tl, draft(target.embed(blk.view(1, -1)), qp, lat, mask, W).view(N, W, -1)[:, 1:]
+    pos = anchors[:, None] + torch.arange(W)
+    valid = torch.ones(1, T, dtype=torch.bool)
+    return tl, block_hidden(draft, feats, valid, blk[None], pos[None], anchors[None], target.embed)[0]
 
 
 @torch.no_grad()

@@ -69,6 +69,32 @@ class LossOutput:
     selector_kl: torch.Tensor | None = None
 
 
+def block_hidden(
+    draft: DFlash2DraftModel,
+    features: torch.Tensor,
+    valid: torch.Tensor,
+    block_ids: torch.Tensor,
+    positions: torch.Tensor,
+    anchors: torch.Tensor,
+    embed,
+) -> torch.Tensor:
+    """Teacher forcing: the drafter's hidden states of slots 1..w-1 of every block ``[B, N, w-1, H]``, each
+    block (``block_ids`` / ``positions [B, N, w]`` at ``anchors [B, N]``) reading the true context of the
+    target's ``features [B, T, F]`` (rows where ``valid``)."""
+    cfg = draft.config
+    B, T, _ = features.shape
+    _, N, w = block_ids.shape
+    ctx_pos = torch.arange(T, device=features.device).expand(B, T)
+    ctx_lat = draft.context_latents(draft.fuse(features), ctx_pos)
+    q_pos = positions.view(B, N * w)
+    q_anchor = anchors[..., None].expand(B, N, w).reshape(B, N * w)
+    q_block = torch.arange(N, device=features.device)[None, :, None].expand(B, N, w).reshape(B, N * w)
+    mask = build_block_mask(q_pos, q_anchor, q_block, ctx_pos, valid, cfg.sliding_window, cfg.is_causal)
+    with torch.no_grad():
+        emb = embed(block_ids.view(B, N * w))
+    return draft(emb, q_pos, ctx_lat, mask, w).view(B, N, w, -1)[:, :, 1:]
+
+
 def draft_loss(
     draft: DFlash2DraftModel,
     features: torch.Tensor,
@@ -89,19 +115,7 @@ def draft_loss(
     (scored with the true predecessor) against p_target renormalised over those candidates. At
     temperature 1 the selector's distribution *is* q_draft, so this is the term that moves sampled
     acceptance; hard labels alone (half of them greedy answers) teach it to be too sharp."""
-    cfg = draft.config
-    B, T, _ = features.shape
-    _, N, w = blocks.block_ids.shape
-    ctx_pos = torch.arange(T, device=features.device).expand(B, T)
-    h_ctx = draft.fuse(features)
-    ctx_lat = draft.context_latents(h_ctx, ctx_pos)
-    q_pos = blocks.positions.view(B, N * w)
-    q_anchor = blocks.anchors[..., None].expand(B, N, w).reshape(B, N * w)
-    q_block = torch.arange(N, device=features.device)[None, :, None].expand(B, N, w).reshape(B, N * w)
-    mask = build_block_mask(q_pos, q_anchor, q_block, ctx_pos, valid, cfg.sliding_window, cfg.is_causal)
-    with torch.no_grad():
-        emb = embed(blocks.block_ids.view(B, N * w))
-    hidden = draft(emb, q_pos, ctx_lat, mask, w).view(B, N, w, -1)[:, :, 1:]
+    hidden = block_hidden(draft, features, valid, blocks.block_ids, blocks.positions, blocks.anchors, embed)
     logits = draft.compute_logits(hidden, lm_head_weight)  # [B, N, w-1, V] fp32
     wsum = blocks.weights.sum().clamp_min(1e-6)
     ce_tok = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none")
