@@ -143,11 +143,11 @@ def test_the_next_steps_draws_as_one_block_are_the_same_draws(llama, runner, mon
     monkeypatch.setattr(engine_mod, "draw_ahead", real_ahead)
     taken = []
 
-    def draw(cls, reqs, g, device, stride=None, ahead=None):
+    def draw(cls, reqs, g, device, stride=None, ahead=None, layout=None):
         taken.append(
             ahead is not None and len(reqs) == len(ahead[1]) and all(r.drawn is x for r, x in zip(reqs, ahead[1]))
         )
-        return real_draw(cls, reqs, g, device, stride, ahead)
+        return real_draw(cls, reqs, g, device, stride, ahead, layout)
 
     monkeypatch.setattr(BatchSampling, "draw", classmethod(draw))
     _, block = _run(t, d, prompts, runner, block=True, sampled=True)

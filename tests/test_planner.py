@@ -1556,3 +1556,30 @@ def test_a_request_retires_on_its_own_rates_where_every_requests_are_still_hopef
         assert p.steps % p.cfg.retire_every == 0
         assert p.drafting_gain(1) > 1 and not p.retire(1)  # every request's rates: the prior's weight
         assert p.retire(1, ["probe"]) is retires
+
+
+@pytest.mark.parametrize("runner", ["paged", "static"])
+def test_a_request_kept_from_drafting_samples_the_target_alones_text(llama, runner):
+    """Seeded T=1 requests that never draft (a pinned schedule of width 1 at every load) draw one uniform a
+    step, as the target alone does, so each one's text is the target alone's with the same seed, through
+    continuous batching (3 slots, 6 requests of other lengths). Drawn at the full width, they were other
+    samples of the same distribution."""
+    t, d = llama
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (int(torch.randint(3, 12, (), generator=g)),), generator=g) for _ in range(6)]
+
+    def texts(draft, **kw) -> list[list[int]]:
+        cfg = EngineConfig(max_running_requests=3, context_length=128, runner=runner, **kw)
+        eng = LLMEngine(t, draft, cfg)
+        sp = [SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12 + 3 * i, seed=40 + i) for i in range(6)]
+        reqs = [Request(p.tolist(), s) for p, s in zip(prompts, sp)]
+        for r in reqs:
+            eng.add_request(r)
+        eng.run_until_done()
+        if draft is not None:
+            assert eng.stats.steps_by_width.keys() == {1} and eng.stats.requests_not_drafting == 6
+        return [r.output_ids for r in reqs]
+
+    alone = texts(None, speculative=False)
+    assert texts(d, num_draft_tokens=W, speculative_width_schedule="1:1") == alone
+    assert texts(d, num_draft_tokens=W, speculative_planner="auto", speculative_width_schedule="1:1") == alone

@@ -855,10 +855,11 @@ class LLMEngine:
         plain = self.draft is not None and not drafters  # the target alone, no drafter upkeep
         t_plan = time.perf_counter()
         # drawn at the full width (G draws of each kind): a narrower step reads the first of each kind,
-        # and the next step's rows are drawn while the device runs this one (draw_ahead)
-        G = self.width - 1
+        # and the next step's rows are drawn while the device runs this one (draw_ahead); a batch that does
+        # not draft draws as the target alone does (steps.row_draws)
+        G = self.width - 1 if drafters else 0
         ahead, self._draws_ahead = self._draws_ahead, None
-        sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device, G, ahead=ahead)
+        sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device, G, ahead, self.width - 1)
         t_run = time.perf_counter()
         s = self.stats
         s.host_s += t_run - t0
@@ -872,7 +873,7 @@ class LLMEngine:
                 if p is not None:
                     self._settle(p, overlapped=True)
             if not greedy:
-                self._draws_ahead = draw_ahead(reqs, G, self.target.device)
+                self._draws_ahead = draw_ahead(reqs, self.width - 1, self.target.device)
             self.planner.fold()
             if drafting:  # (None where the planner does not adapt)
                 nxt = self.planner.choose_ahead(rids, bucket, width)

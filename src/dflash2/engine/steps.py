@@ -74,26 +74,50 @@ def sampling_row(sampling: SamplingParams, gen: Uniforms, g: int) -> np.ndarray:
     return np.concatenate([np.array(sampling_params(sampling), np.float32), draw_uniforms(gen, g)])
 
 
+def row_draws(req, g: int) -> int:
+    """The draws of each kind in a request's row of a step at the engine's full ``g``: ``g``, or 0 where
+    it does not draft (admitted not drafting, or retired: for good), which draws one uniform a step as
+    the target alone does. Why: a seeded request the planner keeps from drafting samples the target
+    alone's text, and the two engines' benchmark rows compare the same texts (on an H100 at 32 held-out
+    requests, T=1, the other samples alone moved the tokens of a round by 2%, fifty-ninth session)."""
+    return g if req.speculate else 0
+
+
+def laid_out(rows: np.ndarray, G: int) -> np.ndarray:
+    """Rows of ``S`` draws of each kind (:func:`sampling_row`) laid out at ``G >= S`` (zeros where no step of
+    theirs reads), so that a batch's block has the runner's layout whatever its rows drew (one copy into the
+    graph runner's slots: :meth:`GraphModelRunner._load_sampling`)."""
+    S = (rows.shape[1] - 5) // 2
+    if S == G:
+        return rows
+    out = np.zeros((len(rows), 5 + 2 * G), np.float32)
+    out[:, : 4 + S] = rows[:, : 4 + S]
+    out[:, 4 + G : 4 + G + S] = rows[:, 4 + S : 4 + 2 * S]
+    out[:, 4 + 2 * G] = rows[:, 4 + 2 * S]
+    return out
+
+
 def draw_ahead(reqs, g: int, device=None) -> tuple[list, list, torch.Tensor] | None:
-    """Each live request's row for its next sampled step (:func:`sampling_row`), drawn while the device
-    runs this one: the same numbers in the same order as drawn at that step (a request's stream is its
+    """Each live request's row for its next sampled step (:func:`sampling_row` at :func:`row_draws`), drawn
+    while the device runs this one: the same numbers in the same order as drawn at that step (a request's stream is its
     own); a request that finishes leaves its row unread. Why: drawing a batch's rows was 0.18-0.41 ms of
     host work before each sampled step at 64-128 requests on an H100, the device idle; drawn ahead,
     0.05-0.09 ms of it left the critical path, +1-3% tok/s (docs/benchmarks.md, forty-fifth session).
-    ``device``: also the rows of every live request, in order, as one block on it (``(requests, rows,
-    block)``, :meth:`BatchSampling.draw`'s ``ahead``), for a next step whose batch is the same. Why: stacking and
+    ``device``: also the rows of every live request, in order, as one block on it laid out at ``g``
+    (``(requests, rows, block)``, :meth:`BatchSampling.draw`'s ``ahead``), for a next step whose batch is the
+    same. Why: stacking and
     copying the rows was most of what was left, ~0.06 of 0.09 ms at 64 requests on the CPU, and on the
     H100 the step's "draw" was 0.27-0.31 ms of a 2.4-2.6 ms one-token step at 64 (forty-ninth session)."""
     for r in reqs:
         if r.drawn is None and not r.finished:
-            r.drawn = sampling_row(r.sampling, r.generator, g)
+            r.drawn = sampling_row(r.sampling, r.generator, row_draws(r, g))
     if device is None:
         return None
     live = [r for r in reqs if not r.finished]
     rows = [r.drawn for r in live]
     if not rows or len({len(x) for x in rows}) > 1:
         return None
-    return live, rows, h2d(np.stack(rows), torch.float32, device)
+    return live, rows, h2d(laid_out(np.stack(rows), g), torch.float32, device)
 
 
 def h2d(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -275,25 +299,30 @@ class BatchSampling:
         return cls.from_rows(block, (host.shape[1] - 1) // 2)
 
     @classmethod
-    def draw(cls, reqs, g: int, device, stride: int | None = None, ahead=None) -> "BatchSampling":
+    def draw(
+        cls, reqs, g: int, device, stride: int | None = None, ahead=None, layout: int | None = None
+    ) -> "BatchSampling":
         """Each request's parameters and this step's uniforms from its own generator, drawn at ``stride``
-        draws of each kind (default ``g``; the engine's full width: :func:`draw_uniforms`), ``g`` read.
-        ``ahead``: :func:`draw_ahead`'s block, taken where it holds these requests' unread rows in this order."""
+        draws of each kind (default ``g``; the engine's full width: :func:`draw_uniforms`, or 0 where the
+        batch does not draft: :func:`row_draws`), ``g`` read, laid out at ``layout`` (default ``stride``:
+        :func:`laid_out`). ``ahead``: :func:`draw_ahead`'s block, taken where it holds these requests'
+        unread rows in this order, drawn at ``stride`` and laid out at ``layout``."""
         G = g if stride is None else stride
+        L = G if layout is None else layout
         if (
             ahead is not None
             and len(ahead[0]) == len(reqs)
-            and ahead[2].shape[1] == 5 + 2 * G
-            and all(a is r and r.drawn is row for a, row, r in zip(ahead[0], ahead[1], reqs))
+            and ahead[2].shape[1] == 5 + 2 * L
+            and all(a is r and r.drawn is row and len(row) == 5 + 2 * G for a, row, r in zip(*ahead[:2], reqs))
         ):
             for r in reqs:  # (their rows are read: the next ones are drawn afresh)
                 r.drawn = None
-            return cls.from_rows(ahead[2], g, G)
+            return cls.from_rows(ahead[2], g, L)
         rows = []
         for r in reqs:  # each row drawn ahead (draw_ahead) and read once, or drawn now
             row, r.drawn = r.drawn, None
             rows.append(row if row is not None and len(row) == 5 + 2 * G else sampling_row(r.sampling, r.generator, G))
-        return cls.from_rows(h2d(np.stack(rows), torch.float32, device), g, G)
+        return cls.from_rows(h2d(laid_out(np.stack(rows), L), torch.float32, device), g, L)
 
     def params(self) -> tuple[torch.Tensor, ...]:
         return self.temperature, self.top_k, self.top_p, self.min_p
