@@ -854,9 +854,9 @@ class LLMEngine:
         self._drafted_at = bucket if drafting else 0
         plain = self.draft is not None and not drafters  # the target alone, no drafter upkeep
         t_plan = time.perf_counter()
-        # drawn at the full width (G draws of each kind): a narrower step reads the first of each kind,
-        # and the next step's rows are drawn while the device runs this one (draw_ahead); a batch that does
-        # not draft draws as the target alone does (steps.row_draws)
+        # laid out at the full width: a drafting batch draws G of each kind (a narrower step reads the first of
+        # each kind), one that does not draws one uniform a row as the target alone does (steps.row_draws);
+        # the next step's rows are drawn while the device runs this one (draw_ahead)
         G = self.width - 1 if drafters else 0
         ahead, self._draws_ahead = self._draws_ahead, None
         sampling = None if greedy else BatchSampling.draw(reqs, width - 1, self.target.device, G, ahead, self.width - 1)

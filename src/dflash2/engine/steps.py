@@ -99,15 +99,15 @@ def laid_out(rows: np.ndarray, G: int) -> np.ndarray:
 
 def draw_ahead(reqs, g: int, device=None) -> tuple[list, list, torch.Tensor] | None:
     """Each live request's row for its next sampled step (:func:`sampling_row` at :func:`row_draws`), drawn
-    while the device runs this one: the same numbers in the same order as drawn at that step (a request's stream is its
-    own); a request that finishes leaves its row unread. Why: drawing a batch's rows was 0.18-0.41 ms of
-    host work before each sampled step at 64-128 requests on an H100, the device idle; drawn ahead,
-    0.05-0.09 ms of it left the critical path, +1-3% tok/s (docs/benchmarks.md, forty-fifth session).
+    while the device runs this one: the same numbers in the same order as drawn at that step (a request's
+    stream is its own); a request that finishes leaves its row unread. Why: drawing a batch's rows was
+    0.18-0.41 ms of host work before each sampled step at 64-128 requests on an H100, the device idle; drawn
+    ahead, 0.05-0.09 ms of it left the critical path, +1-3% tok/s (docs/benchmarks.md, forty-fifth session).
     ``device``: also the rows of every live request, in order, as one block on it laid out at ``g``
     (``(requests, rows, block)``, :meth:`BatchSampling.draw`'s ``ahead``), for a next step whose batch is the
-    same. Why: stacking and
-    copying the rows was most of what was left, ~0.06 of 0.09 ms at 64 requests on the CPU, and on the
-    H100 the step's "draw" was 0.27-0.31 ms of a 2.4-2.6 ms one-token step at 64 (forty-ninth session)."""
+    same. Why: stacking and copying the rows was most of what was left, ~0.06 of 0.09 ms at 64 requests on the
+    CPU, and on the H100 the step's "draw" was 0.27-0.31 ms of a 2.4-2.6 ms one-token step at 64 (forty-ninth
+    session)."""
     for r in reqs:
         if r.drawn is None and not r.finished:
             r.drawn = sampling_row(r.sampling, r.generator, row_draws(r, g))
