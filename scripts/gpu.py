@@ -2191,6 +2191,7 @@ def prefill_replay_times(shared) -> dict:
         eng.runner.pf_last.zero_()
         row = {f"{T}{'+lat' if lat else ''}": round(replay_ms(g[0], 20), 3) for (T, lat), g in sorted(graphs.items())}
         row["prefill_replay_s"] = round(1e3 * eng.runner.prefill_replay_s, 3)
+        row["plain_prefill_replay_s"] = round(1e3 * eng.runner.plain_prefill_replay_s, 3)
         small = min(graphs)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):

@@ -929,6 +929,29 @@ def test_auto_admission_rounds_come_every_priced_interval(llama, monkeypatch):
     assert len(rounds) < len(runs[None][0])
 
 
+def test_admissions_that_do_not_draft_are_priced_at_the_plain_prefill_replay(llama, monkeypatch):
+    """Auto admission where new requests join a batch that does not draft (the planner admits none drafting):
+    the interval is priced at the prefill replay without the drafter's latents (``plain_prefill_replay_s``),
+    not at the drafting one's. Injected prices: the one read decides whether rounds wait."""
+    t, d = llama
+    prompts, lengths = _prompts(9, seed=5), (24, 3, 6, 4, 17, 2, 18, 5, 3)
+    held = {}
+    for drafting_s, plain_s in ((1e9, 0.0), (0.0, 1e9)):
+        eng = LLMEngine(t, d, EngineConfig(max_running_requests=3, num_draft_tokens=4, context_length=128,
+                                           runner="paged", speculative_planner="auto"))  # fmt: skip
+        monkeypatch.setattr(eng.planner, "speculate_new", lambda n, b: False)
+        eng.runner.prefill_replay_s, eng.runner.plain_prefill_replay_s = drafting_s, plain_s
+        reqs = [
+            eng.add_request(Request(p.tolist(), SamplingParams(max_new_tokens=n))) for p, n in zip(prompts, lengths)
+        ]
+        eng.run_until_done()
+        assert not any(r.speculate for r in reqs) and eng.stats.requests_not_drafting == len(reqs)
+        for p, r in zip(prompts, reqs):
+            assert r.output_ids == hf_greedy(t, p, r.sampling.max_new_tokens)
+        held[plain_s] = eng.stats.admissions_held
+    assert held[0.0] == 0 and held[1e9] > 0, held
+
+
 @pytest.mark.parametrize("runner", ["paged", "static"])
 def test_step_costs_leave_out_the_prefill_inside_the_step(llama, runner, monkeypatch):
     """The step cost the planner learns is the step's own: a prefill run inside the step (its overlap)

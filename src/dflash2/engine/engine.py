@@ -713,14 +713,15 @@ class LLMEngine:
     def _admits_now(self) -> bool:
         """Whether this step's admission round runs (``num_continuous_decode_steps``): always where nothing
         waits or nothing decodes; else once that many decode steps have run since the last round that
-        admitted, auto: :func:`admission_interval` of the runner's prefill replay price (none: every step),
-        the rate requests join (those finishing, where more wait than fit; else those arriving) and the last
-        step's seconds per row."""
+        admitted, auto: :func:`admission_interval` of the runner's prefill replay price (none: every step; the
+        replay without the drafter's latents where the admissions would not draft: :meth:`_admits_plain`), the
+        rate requests join (those finishing, where more wait than fit; else those arriving) and the last step's
+        seconds per row."""
         sched, n = self.scheduler, self.cfg.num_continuous_decode_steps
         if not sched.waiting or len(sched.running) <= len(self.prefilling):  # (prefilling: running, prompt not in)
             return True
         if n is None:
-            price = getattr(self.runner, "prefill_replay_s", 0.0)
+            price = getattr(self.runner, "plain_prefill_replay_s" if self._admits_plain() else "prefill_replay_s", 0.0)
             # (no step timed yet, or its prefill's share took all of it; under --tp ranks must admit alike)
             if not price or self._row_s <= 0 or self.tp is not None:
                 return True
@@ -733,6 +734,14 @@ class LLMEngine:
             return True
         self.stats.admissions_held += 1
         return False
+
+    def _admits_plain(self) -> bool:
+        """Whether this round's admissions would not draft: no drafter, or auto with a running batch that does
+        not draft, which new requests join without drafting (:meth:`_speculation`). Why: near break-even,
+        admissions flipped either way and a mixed batch runs width 1 with the drafter's upkeep (1.2x the
+        target alone's step): on the H200 at 8 requests, T=1, half the steps (docs/benchmarks.md, nineteenth
+        session)."""
+        return self.draft is None or (self.planner.adapts and not all(r.speculate for r in self.scheduler.running))
 
     def _count_rates(self) -> None:
         """Per decode step, the averages of the requests that finished and arrived (:meth:`_admits_now`)."""
@@ -749,13 +758,9 @@ class LLMEngine:
         ones drafts, each batch size priced once (nothing the planner learns changes while it
         admits). Why once: priced per admission it was ~14 us of host work each on the step's
         critical path, ~4 admissions a step at 128 requests (forty-fourth session)."""
-        sched, planner, answers = self.scheduler, self.planner, {}
+        planner, answers = self.planner, {}
         ahead, self._admit_ahead = self._admit_ahead, None
-        # auto: a request joins a batch that does not draft without drafting, so batches are either
-        # drafting or not, never mixed for long. Why: near break-even, admissions flipped either way
-        # and a mixed batch runs width 1 with the drafter's upkeep (1.2x the target alone's step): on
-        # the H200 at 8 requests, T=1, half the steps (docs/benchmarks.md, nineteenth session)
-        plain = planner.adapts and not all(r.speculate for r in sched.running)
+        plain = self._admits_plain()  # (auto: batches are either drafting or not, never mixed for long)
 
         def speculate(n_running: int) -> bool:
             nonlocal plain

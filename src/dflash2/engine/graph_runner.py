@@ -396,14 +396,17 @@ class GraphModelRunner:
             self.prefill_graphed, self.prefill_graphs = False, {}
             for T in self.prefill_tokens:
                 self._capture_prefill(T)
-        # what one more prefill replay costs the running requests (LLMEngine._admits_now); 0: not priced
-        self.prefill_replay_s = self._time_prefill() if self.prefill_graphed and self.prefill_graphs else 0.0
+        # what one more prefill replay costs the running requests (LLMEngine._admits_now), of requests that
+        # draft (with the drafter's latents, where there is a drafter) and of requests that do not; 0: not priced
+        timed = self.prefill_graphed and self.prefill_graphs
+        self.prefill_replay_s = self._time_prefill(self.draft is not None) if timed else 0.0
+        self.plain_prefill_replay_s = self._time_prefill(False) if timed else 0.0
 
-    def _time_prefill(self, repeats: int = 3) -> float:
-        """Seconds of the smallest packed prefill replay (with the drafter's latents where there is a
-        drafter), synchronised, at start-up (its rows the idle slots' scratch, as the capture's were):
-        the part of a prefill that two prompts prefilled together pay once."""
-        replay, _ = self.prefill_graphs[(self.prefill_tokens[0], self.draft is not None)]
+    def _time_prefill(self, latents: bool, repeats: int = 3) -> float:
+        """Seconds of the smallest packed prefill replay (``latents``: with the drafter's), synchronised, at
+        start-up (its rows the idle slots' scratch, as the capture's were): the part of a prefill that two
+        prompts prefilled together pay once."""
+        replay, _ = self.prefill_graphs[(self.prefill_tokens[0], latents)]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(repeats):
