@@ -356,15 +356,16 @@ def test_rows_drawn_ahead_are_the_rows_drawn_at_the_step():
     """steps.draw_ahead (the next step's rows, drawn while the device runs this one) leaves a seeded
     request's draws as drawing them at each step would: the same numbers in the same order, laid out at
     the given width with its parameters first; a finished request is not drawn for; a row drawn ahead
-    is read once. BatchSampling.draw at a narrower width reads the first of each kind of draw."""
+    is read once. BatchSampling.draw at a narrower width reads the first of each kind of draw. A request
+    that does not draft draws one uniform a step (the target alone's), laid out at the full width."""
     from types import SimpleNamespace
 
     from dflash2.engine.steps import BatchSampling, Uniforms, draw_ahead, draw_uniforms
 
     sp = SamplingParams(temperature=0.7, top_k=9, top_p=0.9, min_p=0.05, seed=3)
 
-    def req(finished=False):
-        return SimpleNamespace(sampling=sp, generator=Uniforms(3), drawn=None, finished=finished)
+    def req(finished=False, speculate=True):
+        return SimpleNamespace(sampling=sp, generator=Uniforms(3), drawn=None, finished=finished, speculate=speculate)
 
     G, ahead, now, ref = 4, req(), req(), Uniforms(3)
     for step in range(5):
@@ -383,3 +384,12 @@ def test_rows_drawn_ahead_are_the_rows_drawn_at_the_step():
     done = req(finished=True)
     draw_ahead([done], G)
     assert done.drawn is None and done.generator.pos == 0
+    plain, ref = [req(speculate=False), req(speculate=False)], Uniforms(3)
+    for step in range(3):
+        block = draw_ahead(plain[:1], G, "cpu")
+        assert block is not None and block[2].shape == (1, 5 + 2 * G)
+        a, b = BatchSampling.draw(plain[:1], 0, "cpu", 0, block, G), BatchSampling.draw(plain[1:], 0, "cpu", 0, None, G)
+        u = float(ref.take(1)[0])  # the target alone's one draw a step
+        for x in (a, b):
+            assert x.rows is not None and x.rows.shape == (1, 5 + 2 * G) and float(x.emit_u[0]) == u, step
+            assert x.propose_u.shape == (1, 0) and x.top_k.tolist() == [9]
