@@ -399,8 +399,9 @@ class GraphModelRunner:
         # what one more prefill replay costs the running requests (LLMEngine._admits_now), of requests that
         # draft (with the drafter's latents, where there is a drafter) and of requests that do not; 0: not priced
         timed = self.prefill_graphed and self.prefill_graphs
-        self.prefill_replay_s = self._time_prefill(self.draft is not None) if timed else 0.0
         self.plain_prefill_replay_s = self._time_prefill(False) if timed else 0.0
+        has_latents = timed and self.draft is not None  # (else the same replay as the plain one)
+        self.prefill_replay_s = self._time_prefill(True) if has_latents else self.plain_prefill_replay_s
 
     def _time_prefill(self, latents: bool, repeats: int = 3) -> float:
         """Seconds of the smallest packed prefill replay (``latents``: with the drafter's), synchronised, at

@@ -32,6 +32,10 @@ class AnswerPass:
     again: bool = False
     domains: list[str] | None = None
 
+    def takes(self, prompt: Prompt) -> bool:
+        """Whether this pass answers prompts of ``prompt``'s domain."""
+        return self.domains is None or prompt.domain in self.domains
+
 
 @dataclass
 class DataRecipe:
@@ -126,12 +130,12 @@ def answer_chunks(prompts: list[Prompt], recipe: DataRecipe) -> list[list[Prompt
     chunks, start = [], 0
     for a in recipe.answers:
         if a.again:
-            mine = [p for p in order if a.domains is None or p.domain in a.domains]
+            mine = [p for p in order if a.takes(p)]
             random.Random(a.seed).shuffle(mine)
             chunks.append(mine[: round(a.fraction * len(mine))])
         else:
             n = round(a.fraction * len(order))
-            chunks.append([p for p in order[start : start + n] if a.domains is None or p.domain in a.domains])
+            chunks.append([p for p in order[start : start + n] if a.takes(p)])
             start += n
     return chunks
 
@@ -144,8 +148,8 @@ def prepare_data(
     Prompt files already in the data file's folder are reused (a run split over several calls,
     or prompts built on another machine); otherwise they are built here. With ``time_budget_s``
     each pass gets the share of the budget that its prompts are of all the passes' prompts and stops
-    starting batches when that is spent (the report says how many prompts each pass answered). Returns the data report, also written
-    beside the data as ``data_report.json``."""
+    starting batches when that is spent (the report says how many prompts each pass answered).
+    Returns the data report, also written beside the data as ``data_report.json``."""
     folder = Path(data_path).parent
     folder.mkdir(parents=True, exist_ok=True)
     ps = load_prompt_files(folder) or build_prompt_files(recipe, folder)
