@@ -32,38 +32,6 @@ def test_inspect_errors_name_the_key(tmp_path):
     assert p.returncode == 2 and "conv_group_size" in p.stderr and "Traceback" not in p.stderr
 
 
-def test_generate_default_fp32_lossless():
-    """DFlash2 and the target alone give the same tokens (float32, greedy) on the real default."""
-    prompt = "Tom has 3 boxes with 12 apples each. He gives away 7 apples. How many apples are left?"
-    spec = json.loads(
-        run("generate", "--prompt", prompt, "--max-new-tokens", "48", "--dtype", "float32", "--json")
-        .stdout.strip()
-        .splitlines()[-1]
-    )
-    base = json.loads(
-        run(
-            "generate",
-            "--prompt",
-            prompt,
-            "--max-new-tokens",
-            "48",
-            "--dtype",
-            "float32",
-            "--speculative-algorithm",
-            "NONE",
-            "--json",
-        )
-        .stdout.strip()
-        .splitlines()[-1]
-    )
-    assert spec["token_ids"] == base["token_ids"]
-    # the default drafter on the CPU is int8 (auto); the drafter only proposes, so its fp32 form (which
-    # test_draft_quantization_auto_is_int8_on_cpu_fp32_only loads) needs no run of its own here
-    assert spec["completion_tokens"] == len(spec["token_ids"])
-    assert spec["accept_length"] > 1.5  # the shipped drafter really drafts
-    assert set(spec) >= {"text", "token_ids", "completion_tokens", "verify_steps", "accept_length", "tokens_per_s"}
-
-
 @pytest.fixture
 def restore_grad_mode():
     import torch
@@ -71,6 +39,29 @@ def restore_grad_mode():
     mode = torch.is_grad_enabled()
     yield
     torch.set_grad_enabled(mode)  # load_models turns autograd off for the process; later tests train
+
+
+def test_generate_default_fp32_lossless(restore_grad_mode, capsys, monkeypatch):
+    """DFlash2 and the target alone give the same tokens (float32, greedy) on the real default, through
+    ``dflash2 generate`` in this process (a subprocess each paid ~10 s of imports and loading; the
+    entry point itself runs in the subprocess tests above and below)."""
+    from dflash2.cli import main
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY", "TRANSFORMERS_SDPA_FORCE_GQA"):
+        monkeypatch.delenv(var, raising=False)  # (restored after: main and the CPU kernels set them)
+    prompt = "Tom has 3 boxes with 12 apples each. He gives away 7 apples. How many apples are left?"
+    flags = ["generate", "--prompt", prompt, "--max-new-tokens", "48", "--dtype", "float32", "--json"]
+    out = []
+    for extra in ([], ["--speculative-algorithm", "NONE"]):
+        assert main(flags + extra) == 0
+        out.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    spec, base = out
+    assert spec["token_ids"] == base["token_ids"]
+    # the default drafter on the CPU is int8 (auto); the drafter only proposes, so its fp32 form (which
+    # test_draft_quantization_auto_is_int8_on_cpu_fp32_only loads) needs no run of its own here
+    assert spec["completion_tokens"] == len(spec["token_ids"])
+    assert spec["accept_length"] > 1.5  # the shipped drafter really drafts
+    assert set(spec) >= {"text", "token_ids", "completion_tokens", "verify_steps", "accept_length", "tokens_per_s"}
 
 
 def test_draft_quantization_auto_is_int8_on_cpu_fp32_only(restore_grad_mode):

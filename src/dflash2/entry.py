@@ -240,6 +240,7 @@ def load(spec: ModelSpec) -> Models:
     device = resolve_device(spec.device)
     tp = init_tp(spec.tp_size, device)  # first: on CUDA it picks this rank's GPU
     draft, width = None, 1
+    token_map: torch.Tensor | None = None
     path = Path(spec.draft_path or DEFAULT_DRAFT)
     if spec.speculative:
         if spec.verify_manifest:
@@ -265,6 +266,14 @@ def load(spec: ModelSpec) -> Models:
                     f"--speculative-num-draft-tokens {spec.num_draft_tokens} overrides the drafter's block_size {width}"
                 )
             width = spec.num_draft_tokens
+        # the token map read before the target's weights: a bad one is an error in a second, not after the load
+        map_path: str | Path | None = spec.token_map
+        if map_path is None and (path / TOKEN_MAP_NAME).is_file():
+            map_path = path / TOKEN_MAP_NAME
+        if map_path is not None and str(map_path).lower() != "none":
+            if spec.verify_manifest and Path(map_path).resolve().parent != path.resolve():
+                raise CheckpointError(f"{map_path}: refused, --verify-manifest covers only the files in {path}")
+            token_map = load_token_map(map_path, draft.config.vocab_size)
     target = load_target(
         spec.model_path,
         spec.dtype,
@@ -282,13 +291,8 @@ def load(spec: ModelSpec) -> Models:
                 f"drafter (hidden {draft.config.hidden_size}, vocab {draft.config.vocab_size}) does not fit "
                 f"the target (hidden {target.config.hidden_size}, vocab {target.lm_head_weight.shape[0]})"
             )
-        map_path: str | Path | None = spec.token_map
-        if map_path is None and (path / TOKEN_MAP_NAME).is_file():
-            map_path = path / TOKEN_MAP_NAME
-        if map_path is not None and str(map_path).lower() != "none":
-            if spec.verify_manifest and Path(map_path).resolve().parent != path.resolve():
-                raise CheckpointError(f"{map_path}: refused, --verify-manifest covers only the files in {path}")
-            draft.set_token_map(load_token_map(map_path, draft.config.vocab_size), target.lm_head_weight)
+        if token_map is not None:
+            draft.set_token_map(token_map, target.lm_head_weight)
     torch.set_grad_enabled(False)
     return Models(target, draft, width, spec.block_verification, device)
 
