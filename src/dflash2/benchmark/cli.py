@@ -160,7 +160,7 @@ def cmd_speed(args) -> int:
         )
     widths, verifiers = speed_configs(args, width)
     if args.breakdown:
-        from ..engine.engine import ATTENTION_BACKENDS
+        from ..engine.config import ATTENTION_BACKENDS
         from .engine_speed import step_cost_table
 
         slots = max([int(c) for c in args.concurrency.split(",")] if args.concurrency else [8])

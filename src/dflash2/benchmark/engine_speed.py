@@ -9,7 +9,9 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..engine.engine import EngineConfig, EngineStats, LLMEngine
+from ..engine.config import EngineConfig
+from ..engine.engine import LLMEngine
+from ..engine.stats import EngineStats
 from ..engine.gc_utils import GCPauses, freeze_gc
 from ..engine.steps import GraphTimer
 from ..training.data import render

@@ -8,7 +8,7 @@ import time
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from ..engine.engine import LATENCY_BUCKETS, LatencyHistogram
+from ..engine.stats import LATENCY_BUCKETS, LatencyHistogram
 from ..engine.gc_utils import GCPauses
 
 
