@@ -14,6 +14,7 @@ from dflash2.engine.engine import EngineConfig, LLMEngine, RequestError
 from dflash2.engine.graph_runner import PACKED_MAX_TOKENS, GraphModelRunner, pack_prefill
 from dflash2.engine.model_runner import ModelRunner, PagedLayer
 from dflash2.engine.planner import PlannerConfig
+from dflash2.engine.steps import GraphTimer
 from dflash2.engine.request import Request
 from dflash2.target import TargetModel
 from dflash2.verification import SamplingParams
@@ -658,6 +659,7 @@ def test_packed_prefill_equals_the_eager_prefill(llama, lengths, rows):
                     res["pf_logits"] = buf["pf_logits"]
 
                 runner.prefill_graphs[key] = (in_place, res)
+        runner.timer = GraphTimer(torch.device("cpu"))  # (as bench speed sets it: the prefill replays timed too)
         replays: list[int] = []
         inner = runner._replay_prefill
         runner._replay_prefill = lambda chunks, T: replays.append(T) or inner(chunks, T)
@@ -679,6 +681,7 @@ def test_packed_prefill_equals_the_eager_prefill(llama, lengths, rows):
         # the padding tally (bench speed's prefill_shapes): replays and real tokens by total
         tally = {"128": [1, 96], "32": [1, 5]} if len(lengths) == 5 else {"64": [1, sum(lengths)]}
         assert runner.prefill_shapes == (tally if packed else {})
+        assert (runner.take_prefill_device_s() > 0) == packed and runner.take_prefill_device_s() == 0  # (taken once)
     for x, (got, ref) in zip(prompts, zip(out[True], out[False])):
         with torch.no_grad():
             torch.testing.assert_close(got[0], t.model(torch.tensor([x])).logits[0, -1], atol=1e-4, rtol=1e-4)

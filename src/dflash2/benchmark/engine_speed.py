@@ -50,6 +50,9 @@ class ConcurrencyRow:
     gc_seconds: float = 0.0  # their whole time (all rounds: the table's "gc ms")
     step_seconds: float = 0.0  # of ``seconds``: in batched decode steps
     prefill_seconds: float = 0.0  # of ``seconds``: in prefill chunks (the rest: the host between them)
+    # the packed prefill replays' device time (GraphModelRunner.take_prefill_device_s; 0 elsewhere): against
+    # overlap_ms_per_step x steps, how much of the prefills' share of the wall is the device computing them
+    prefill_device_seconds: float = 0.0
     admissions_held: int = 0  # steps whose admission round waited (EngineConfig.num_continuous_decode_steps)
     # with the planner on: its step costs (ms by "bucket x width") and every request's acceptance per
     # draft position, as it stood when the round ended
@@ -206,6 +209,8 @@ def measure(
         for i in range(n)
     ]
     shapes0 = {k: list(v) for k, v in getattr(eng.runner, "prefill_shapes", {}).items()}
+    prefill_device = getattr(eng.runner, "take_prefill_device_s", lambda: 0.0)
+    prefill_device()  # (the replays before this row: its warm-up)
     freeze_gc("bench row")  # what lives now (engines, earlier rows) is not walked by a collection in this row
     pauses = GCPauses()
     gc.callbacks.append(pauses)
@@ -215,6 +220,7 @@ def measure(
     finally:
         gc.callbacks.remove(pauses)
     secs = time.perf_counter() - t0
+    prefill_device_s = prefill_device()
     prefill_shapes = {
         k: [n - shapes0.get(k, [0, 0])[0], t - shapes0.get(k, [0, 0])[1]]
         for k, (n, t) in sorted(getattr(eng.runner, "prefill_shapes", {}).items())
@@ -248,6 +254,7 @@ def measure(
         ],
         step_seconds=s.step_s,
         prefill_seconds=s.prefill_s,
+        prefill_device_seconds=prefill_device_s,
         admissions_held=s.admissions_held,
         planner_state=eng.planner.state() if eng.planner.adapts else {},
         step_ms_by_shape={k: [n, round(1e3 * t / n, 3)] for k, (n, t) in sorted(s.step_s_by_shape.items())},
@@ -293,6 +300,7 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
         round_widths=[x for r in rows for x in r.round_widths],
         step_seconds=sum(r.step_seconds for r in rows),
         prefill_seconds=sum(r.prefill_seconds for r in rows),
+        prefill_device_seconds=sum(r.prefill_device_seconds for r in rows),
         admissions_held=sum(r.admissions_held for r in rows),
         planner_state=rows[-1].planner_state,
         step_ms_by_shape=rows[-1].step_ms_by_shape,
