@@ -211,12 +211,16 @@ def test_engine_speed_times_the_static_runners_graphs(monkeypatch):
         assert r.device_ms_by_shape and r.device_ms_by_shape.keys() == r.step_ms_by_shape.keys()
         for k, (n, ms) in r.device_ms_by_shape.items():
             assert n == r.step_ms_by_shape[k][0] and 0 < ms <= r.step_ms_by_shape[k][1]
-        wall, dev = (float(x) for x in line.split()[-2].split("/"))  # the table's step/dev column: the means
+        wall, dev = (float(x) for x in line.split()[-3].split("/"))  # the table's step/dev column: the means
         n = sum(k for k, _ in r.step_ms_by_shape.values())
         assert wall == pytest.approx(sum(k * ms for k, ms in r.step_ms_by_shape.values()) / n, abs=0.006)
         assert 0 < dev <= wall + 0.01
         # the read-back's wait (a CPU tensor's: the copy alone), in the table's last column
-        assert 0 < r.wait_ms_per_step < wall and float(line.split()[-1]) == pytest.approx(r.wait_ms_per_step, abs=0.006)
+        assert 0 < r.wait_ms_per_step < wall and float(line.split()[-2]) == pytest.approx(r.wait_ms_per_step, abs=0.006)
+        # the prefills: the steps' overlap over the packed replays' own time, in the last column
+        overlap, replays = (float(x) for x in line.split()[-1].split("/"))
+        assert replays == pytest.approx(r.prefill_device_seconds, abs=0.006) and overlap >= 0
+        assert r.prefill_shapes and 0 < r.prefill_device_seconds < r.seconds  # (packed replays ran, each timed)
 
 
 def test_read_back_wait_is_the_time_blocked_on_the_step():
@@ -378,8 +382,8 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
     # the collections' time over the rounds, in the table's gc column (ms); no step timed here: "-" after it
     assert (target.gc_seconds, spec.gc_seconds) == (0.0, 0.5)
     lines = es.table(rows).splitlines()
-    assert lines[0].split()[-6:] == ["gc", "ms", "step/dev", "ms", "wait", "ms"]
-    assert [x.split()[-3:] for x in lines[1:3]] == [["0", "-", "0.00"], ["500", "-", "0.00"]]
+    assert lines[0].split()[-9:] == ["gc", "ms", "step/dev", "ms", "wait", "ms", "prefill", "ovl/dev", "s"]
+    assert [x.split()[-4:] for x in lines[1:3]] == [["0", "-", "0.00", "0.00/0.00"], ["500", "-", "0.00", "0.00/0.00"]]
 
 
 def test_engine_speed_stops_rounds_and_levels_at_the_deadline(monkeypatch):

@@ -444,22 +444,25 @@ def _mean_ms(by_shape: dict) -> float | None:
 def table(rows: list[ConcurrencyRow]) -> str:
     """One line a row; "step/dev ms": a step's mean wall (prefill out) over its graphs' device time (the last
     round's), where the gap is host work the device waits for; "wait ms": the host blocked at a step's read-back
-    (near 0 where the device waits for the host)."""
+    (near 0 where the device waits for the host); "prefill ovl/dev s": what the prefills launched inside steps
+    added to them (overlap) over the packed replays' device time (the rest of the overlap: the device idle)."""
     out = [
         f"{'config':<40}{'conc':>5}{'tok/s':>9}{'AL':>6}{'speedup':>9}{'width':>7}{'draft ms':>10}{'verify ms':>10}"
         f"{'other ms':>9}{'rounds':>7}{'tok/s range':>16}{'wall % decode/prefill/host':>28}{'gc ms':>8}"
-        f"{'step/dev ms':>13}{'wait ms':>9}"
+        f"{'step/dev ms':>13}{'wait ms':>9}{'prefill ovl/dev s':>19}"
     ]
     for r in rows:
         split = [r.step_seconds, r.prefill_seconds, r.seconds - r.step_seconds - r.prefill_seconds]
         split_txt = "/".join(f"{100 * x / max(r.seconds, 1e-9):.0f}" for x in split)
         wall, dev = _mean_ms(r.step_ms_by_shape), _mean_ms(r.device_ms_by_shape)
         timed = "-" if wall is None or dev is None else f"{wall:.2f}/{dev:.2f}"
+        steps = sum(k for w in r.round_widths for key, k in w.items() if key.isdigit())  # (every round's)
+        prefill = f"{r.overlap_ms_per_step * steps / 1e3:.2f}/{r.prefill_device_seconds:.2f}"
         out.append(
             f"{r.config:<40}{r.concurrency:>5}{r.tokens_per_s:>9.1f}{r.accept_length:>6.2f}{r.speedup:>8.2f}x"
             f"{r.mean_width:>7.2f}{r.draft_ms_per_step:>10.1f}{r.verify_ms_per_step:>10.1f}{r.overhead_ms_per_step:>9.1f}"
             f"{r.rounds:>7}{f'{r.tokens_per_s_min:.1f}-{r.tokens_per_s_max:.1f}':>16}{split_txt:>28}"
-            f"{1e3 * r.gc_seconds:>8.0f}{timed:>13}{r.wait_ms_per_step:>9.2f}"
+            f"{1e3 * r.gc_seconds:>8.0f}{timed:>13}{r.wait_ms_per_step:>9.2f}{prefill:>19}"
         )
     return "\n".join(out)
 
