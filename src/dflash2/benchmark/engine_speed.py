@@ -11,8 +11,8 @@ from pathlib import Path
 
 from ..engine.config import EngineConfig
 from ..engine.engine import LLMEngine
-from ..engine.stats import EngineStats
 from ..engine.gc_utils import GCPauses, freeze_gc
+from ..engine.stats import EngineStats
 from ..engine.steps import GraphTimer
 from ..training.data import render
 from ..verification import SamplingParams
@@ -445,7 +445,8 @@ def table(rows: list[ConcurrencyRow]) -> str:
     """One line a row; "step/dev ms": a step's mean wall (prefill out) over its graphs' device time (the last
     round's), where the gap is host work the device waits for; "wait ms": the host blocked at a step's read-back
     (near 0 where the device waits for the host); "prefill ovl/dev s": what the prefills launched inside steps
-    added to them (overlap) over the packed replays' device time (the rest of the overlap: the device idle)."""
+    added to them (overlap) over the packed replays' device time, inside steps or not (where all ran inside
+    steps, the overlap's excess is the device idle while the host prepared them)."""
     out = [
         f"{'config':<40}{'conc':>5}{'tok/s':>9}{'AL':>6}{'speedup':>9}{'width':>7}{'draft ms':>10}{'verify ms':>10}"
         f"{'other ms':>9}{'rounds':>7}{'tok/s range':>16}{'wall % decode/prefill/host':>28}{'gc ms':>8}"
