@@ -638,9 +638,9 @@ class GraphModelRunner:
     def take_prefill_device_s(self) -> float:
         """The packed prefill replays' time on the device since the last call (benchmarks: only while
         :attr:`timer` is set; waits for the device). Why: a step's overlap clock counts a prefill's device
-        time together with the device idle while the host prepares it; at 64 requests of the 8B shape the
-        speculative engine's overlap was 3.94 s against the target alone's 3.10 s for the same prompts
-        (sixty-second session), and only this says which of the two the difference is."""
+        time together with any device idle before it; at 64 requests of the 8B shape the speculative
+        engine's overlap was 3.94 s against the target alone's 3.10 s for the same prompts, which a model of
+        its replays explains (sixty-second session): this measures it."""
         if self.target.device.type == "cuda":
             torch.cuda.synchronize(self.target.device)
         timers, self._prefill_timers = self._prefill_timers, []
