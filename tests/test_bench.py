@@ -336,6 +336,7 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
         tps = speed[name][(sum(1 for n in order if n == name) - 1) % 2]
         row = es.ConcurrencyRow(name, c, 2, 100, 100 / tps, tps, 2.0 if draft else 1.0, 1.0, 2.0, 3.0)
         row.gc_seconds = 0.25 if draft else 0.0  # a collection in each of the drafting row's rounds
+        row.prefill_shapes = {"128": [2, 200]} if len(order) % 2 else {"128": [1, 90], "64": [1, 50]}
         return row
 
     class T:
@@ -381,6 +382,8 @@ def test_engine_speed_rounds_pool_and_rotate(monkeypatch):
     assert spec.accept_length == pytest.approx(2.0)
     # the collections' time over the rounds, in the table's gc column (ms); no step timed here: "-" after it
     assert (target.gc_seconds, spec.gc_seconds) == (0.0, 0.5)
+    # the packed prefills: every round's replays and tokens, as the other counts (not the last round's)
+    assert target.prefill_shapes == spec.prefill_shapes == {"128": [3, 290], "64": [1, 50]}
     lines = es.table(rows).splitlines()
     assert lines[0].split()[-9:] == ["gc", "ms", "step/dev", "ms", "wait", "ms", "prefill", "ovl/dev", "s"]
     assert [x.split()[-4:] for x in lines[1:3]] == [["0", "-", "0.00", "0.00/0.00"], ["500", "-", "0.00", "0.00/0.00"]]

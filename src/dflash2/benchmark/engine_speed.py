@@ -61,7 +61,8 @@ class ConcurrencyRow:
     step_ms_by_shape: dict = field(default_factory=dict)
     # the same shapes' graphs timed on the device (GraphTimer): where the wall over them is host or wait
     device_ms_by_shape: dict = field(default_factory=dict)
-    # the graph runner's packed prefills: "T" (tokens) or "mixT" (in a step) -> [replays, real tokens]
+    # the graph runner's packed prefills: "T" (tokens) or "mixT" (in a step) -> [replays, real tokens] (a pooled
+    # row: every round's; before the sixty-second session the last round's)
     prefill_shapes: dict = field(default_factory=dict)
     # of a step: host time outside the runner's step (the planner's choice before it, observation and
     # bookkeeping after), where a fixed width and the planner differ
@@ -311,11 +312,21 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
         commit_ms_per_step=avg("commit_ms_per_step"),
         overlap_ms_per_step=avg("overlap_ms_per_step"),
         wait_ms_per_step=avg("wait_ms_per_step"),
-        prefill_shapes=rows[-1].prefill_shapes,
+        prefill_shapes=_sum_shapes(r.prefill_shapes for r in rows),
         gc_ms_per_step=avg("gc_ms_per_step"),
         gc_collections=[sum(c) for c in zip(*(r.gc_collections for r in rows))],
         gc_seconds=sum(r.gc_seconds for r in rows),
     )
+
+
+def _sum_shapes(shapes) -> dict:
+    """``{shape: [replays, tokens]}`` dicts added up (every round's, as a pooled row's other counts)."""
+    out: dict = {}
+    for one in shapes:
+        for k, (n, t) in one.items():
+            acc = out.setdefault(k, [0, 0])
+            acc[0], acc[1] = acc[0] + n, acc[1] + t
+    return dict(sorted(out.items()))
 
 
 def run(
