@@ -215,7 +215,7 @@ def test_engine_speed_times_the_static_runners_graphs(monkeypatch):
         n = sum(k for k, _ in r.step_ms_by_shape.values())
         assert wall == pytest.approx(sum(k * ms for k, ms in r.step_ms_by_shape.values()) / n, abs=0.006)
         assert 0 < dev <= wall + 0.01
-        # the read-back's wait (a CPU tensor's: the copy alone), in the table's last column
+        # the read-back's wait (a CPU tensor's: the copy alone), in the table's column before the last
         assert 0 < r.wait_ms_per_step < wall and float(line.split()[-2]) == pytest.approx(r.wait_ms_per_step, abs=0.006)
         # the prefills: the steps' overlap over the packed replays' own time, in the last column
         overlap, replays = (float(x) for x in line.split()[-1].split("/"))

@@ -14,8 +14,8 @@ from dflash2.engine.engine import EngineConfig, LLMEngine, RequestError
 from dflash2.engine.graph_runner import PACKED_MAX_TOKENS, GraphModelRunner, pack_prefill
 from dflash2.engine.model_runner import ModelRunner, PagedLayer
 from dflash2.engine.planner import PlannerConfig
-from dflash2.engine.steps import GraphTimer
 from dflash2.engine.request import Request
+from dflash2.engine.steps import GraphTimer
 from dflash2.target import TargetModel
 from dflash2.verification import SamplingParams
 
