@@ -12,6 +12,7 @@ alone's own auto over its every step. ``--scale`` shrinks the costs toward a sma
 docs/benchmarks.md, fifty-fourth and fifty-fifth sessions.
 
     python scripts/admission_sim.py [--seeds 20] [--requests-per-slot 8] [--rules cds1,cds4,auto] [--scale 0.25,0.12]
+        [--prompt-tokens 80,140]
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ PACKED_MAX, CHUNK, NEW, WAIT_MAX, MARGIN, DECAY = PACKED_MAX_TOKENS, 2048, 128, 
 
 
 SCALE = [1.0, 1.0]  # (steps, replays): --scale, a smaller model's costs as a fraction of these
+# prompt tokens, uniform in [lo, hi): --prompt-tokens. The default is this script's first setting; GSM8K test
+# prompts through the chat template average ~109 tokens (the 8B rows' prefill_shapes: 55,970 for 512 requests)
+PROMPT = [35, 80]
 
 
 def replay_ms(tokens: int) -> float:
@@ -48,7 +52,7 @@ def replay_ms(tokens: int) -> float:
 
 def run(slots: int, acceptance: float | None, rule: str, n_req: int, rng: np.random.Generator) -> float:
     """tok/s of ``n_req`` requests through ``slots`` slots under ``rule``; ``acceptance`` None: the target alone."""
-    prompts = rng.integers(35, 80, n_req)
+    prompts = rng.integers(PROMPT[0], PROMPT[1], n_req)
     queue, running, prefill = list(range(n_req)), {}, []  # running: request -> tokens so far
     t = tokens = 0.0
     since, idle_s, row_s, finish_rate, done_before = 0, 0.0, 0.0, 0.0, 0
@@ -121,8 +125,10 @@ def main() -> None:
     ap.add_argument("--requests-per-slot", type=int, default=8)
     ap.add_argument("--rules", default="cds1,cds2,cds3,cds4,idle,margin2,auto")
     ap.add_argument("--scale", default="1,1", help="STEPS,REPLAYS: the costs times these (e.g. 0.25,0.15)")
+    ap.add_argument("--prompt-tokens", default="35,80", help="LO,HI: each prompt's length, uniform in [LO, HI)")
     args = ap.parse_args()
     SCALE[:] = [float(x) for x in args.scale.split(",")]
+    PROMPT[:] = [int(x) for x in args.prompt_tokens.split(",")]
     rules = args.rules.split(",")
     print("requests acceptance " + " ".join(f"{r:>7}" for r in rules) + "   (target alone: cds1 / auto)")
     for slots in (1, 8, 32, 64):
