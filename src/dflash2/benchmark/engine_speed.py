@@ -50,8 +50,10 @@ class ConcurrencyRow:
     gc_seconds: float = 0.0  # their whole time (all rounds: the table's "gc ms")
     step_seconds: float = 0.0  # of ``seconds``: in batched decode steps
     prefill_seconds: float = 0.0  # of ``seconds``: in prefill chunks (the rest: the host between them)
-    # the packed prefill replays' device time (GraphModelRunner.take_prefill_device_s; 0 elsewhere): against
-    # overlap_ms_per_step x steps, how much of the prefills' share of the wall is the device computing them
+    # what the prefills run inside steps added to them, in all (overlap_ms_per_step's total), and the packed
+    # prefill replays' device time (GraphModelRunner.take_prefill_device_s; 0 elsewhere): how much of the
+    # prefills' share of the wall is the device computing them
+    overlap_seconds: float = 0.0
     prefill_device_seconds: float = 0.0
     admissions_held: int = 0  # steps whose admission round waited (EngineConfig.num_continuous_decode_steps)
     # with the planner on: its step costs (ms by "bucket x width") and every request's acceptance per
@@ -254,6 +256,7 @@ def measure(
             }
         ],
         step_seconds=s.step_s,
+        overlap_seconds=s.overlap_s,
         prefill_seconds=s.prefill_s,
         prefill_device_seconds=prefill_device_s,
         admissions_held=s.admissions_held,
@@ -300,6 +303,7 @@ def pool_rounds(rows: list[ConcurrencyRow]) -> ConcurrencyRow:
         mean_width=avg("mean_width"),
         round_widths=[x for r in rows for x in r.round_widths],
         step_seconds=sum(r.step_seconds for r in rows),
+        overlap_seconds=sum(r.overlap_seconds for r in rows),
         prefill_seconds=sum(r.prefill_seconds for r in rows),
         prefill_device_seconds=sum(r.prefill_device_seconds for r in rows),
         admissions_held=sum(r.admissions_held for r in rows),
@@ -468,8 +472,7 @@ def table(rows: list[ConcurrencyRow]) -> str:
         split_txt = "/".join(f"{100 * x / max(r.seconds, 1e-9):.0f}" for x in split)
         wall, dev = _mean_ms(r.step_ms_by_shape), _mean_ms(r.device_ms_by_shape)
         timed = "-" if wall is None or dev is None else f"{wall:.2f}/{dev:.2f}"
-        steps = sum(k for w in r.round_widths for key, k in w.items() if key.isdigit())  # (every round's)
-        prefill = f"{r.overlap_ms_per_step * steps / 1e3:.2f}/{r.prefill_device_seconds:.2f}"
+        prefill = f"{r.overlap_seconds:.2f}/{r.prefill_device_seconds:.2f}"
         out.append(
             f"{r.config:<40}{r.concurrency:>5}{r.tokens_per_s:>9.1f}{r.accept_length:>6.2f}{r.speedup:>8.2f}x"
             f"{r.mean_width:>7.2f}{r.draft_ms_per_step:>10.1f}{r.verify_ms_per_step:>10.1f}{r.overhead_ms_per_step:>9.1f}"
