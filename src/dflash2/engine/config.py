@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from ..sampling import SamplingParams
 from .planner import PlannerConfig, parse_schedule, parse_widths
 
-GRAPH_PAGE = 64  # the static runner's page: the live kernel's key tile
 ATTENTION_BACKENDS = {"auto": None, "triton": "live", "torch_native": "sdpa"}  # flag -> StaticTarget's name
 
 

@@ -26,7 +26,7 @@ import torch
 
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
-from .config import ATTENTION_BACKENDS, GRAPH_PAGE, GRAPH_SAMPLING, EngineConfig, RequestError
+from .config import ATTENTION_BACKENDS, GRAPH_SAMPLING, EngineConfig, RequestError
 from .graph_runner import (
     PACKED_MAX_TOKENS,
     GraphModelRunner,
@@ -61,6 +61,7 @@ log = logging.getLogger("dflash2.engine")
 # num_continuous_decode_steps auto: the longest interval between admission rounds (admission_interval)
 ADMIT_MAX_INTERVAL = 4
 ADMIT_RATE_DECAY = 0.9  # per decode step, on the averages of requests finished and arrived
+GRAPH_PAGE = 64  # the static runner's page: the live kernel's key tile
 
 
 def admission_interval(price_s: float, rate: float, row_s: float) -> int:
